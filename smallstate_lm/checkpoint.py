@@ -1,0 +1,100 @@
+"""Checkpoints: one torch file holding config, vocabulary, weights and (for resuming)
+optimizer and progress. Loaded with `weights_only=True`, so a checkpoint can never
+execute code; written through a temp file and a rename, so a crash never leaves a
+half-written file under the real name.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, SmallstateError
+from .models import ModelConfig, build_model
+from .vocab import Vocabulary
+
+FORMAT = "smallstate-lm/1"
+MODEL_FILE = "model.pt"  # best weights: what eval and rescoring load
+LAST_FILE = "last.pt"  # full training state: what --resume loads
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: Path, model: nn.Module, vocab: Vocabulary, **extra) -> None:
+    cfg: ModelConfig = model.cfg
+    obj = {"format": FORMAT, "config": cfg.to_dict(), "vocab": vocab.to_dict(), "model": model.state_dict()}
+    obj.update(extra)
+    atomic_torch_save(obj, path)
+
+
+def read_checkpoint(path: str | os.PathLike, default_file: str = MODEL_FILE) -> tuple[Path, dict]:
+    """Read a checkpoint file, or `default_file` inside a run directory."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / default_file
+        if not path.exists():
+            raise CheckpointError(f"{path.parent}: no {default_file} in this directory; "
+                                  "expected a run directory written by `smallstate-lm train`")
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint file or run directory")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
+            KeyError, IndexError, AttributeError, TypeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: corrupt or truncated checkpoint ({reason[:200]})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a smallstate-lm checkpoint (expected format {FORMAT!r})")
+    for key in ("config", "vocab", "model"):
+        if key not in obj:
+            raise CheckpointError(f"{path}: checkpoint lacks its {key!r} entry")
+    return path, obj
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    vocab: Vocabulary
+    config: ModelConfig
+    path: Path
+    extra: dict
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", default_file: str = MODEL_FILE) -> LoadedModel:
+    """Rebuild the exact saved model in eval mode; every failure is a CheckpointError
+    naming the file."""
+    path, obj = read_checkpoint(path, default_file)
+    try:
+        cfg = ModelConfig.from_dict(dict(obj["config"]))
+        cfg.validate()
+        vocab = Vocabulary.from_dict(obj["vocab"])
+    except (SmallstateError, TypeError) as e:
+        raise CheckpointError(f"{path}: bad config or vocabulary: {e}") from None
+    if len(vocab) != cfg.vocab_size:
+        raise CheckpointError(f"{path}: vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
+    model = build_model(cfg)
+    try:
+        model.load_state_dict(obj["model"])
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"{path}: weights do not match the config ({' '.join(first[:2])[:300]})") from None
+    model.to(device).eval()
+    extra = {k: v for k, v in obj.items() if k not in ("config", "vocab", "model")}
+    return LoadedModel(model=model, vocab=vocab, config=cfg, path=path, extra=extra)

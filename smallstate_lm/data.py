@@ -1,0 +1,132 @@
+"""Text reading and sentence-level batching bucketed by length."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .errors import DataError
+from .vocab import EOS_ID, EncodeStats, Vocabulary
+
+
+def read_sentences(path: str | os.PathLike, lowercase: bool = False) -> list[list[str]]:
+    """One sentence per line, words split on whitespace; blank lines are skipped.
+
+    Raises DataError when the file is missing, unreadable, empty or holds no words.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a text file")
+    sentences: list[list[str]] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                words = (line.lower() if lowercase else line).split()
+                if words:
+                    sentences.append(words)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    if not sentences:
+        what = "empty" if path.stat().st_size == 0 else "holds no words"
+        raise DataError(f"{path}: {what}; expected one sentence per line")
+    return sentences
+
+
+def encode_sentences(
+    sentences: Sequence[Sequence[str]], vocab: Vocabulary, stats: EncodeStats | None = None
+) -> list[list[int]]:
+    """Each sentence becomes `w1 .. wn </s>` as ids (`<s>` is the LM's initial state)."""
+    return [vocab.encode(s, stats) + [EOS_ID] for s in sentences]
+
+
+def split_long(seqs: list[list[int]], max_len: int) -> list[list[int]]:
+    """Cut sequences longer than `max_len` into pieces; each piece is then scored from
+    `<s>`, which loses a little context but no text."""
+    out: list[list[int]] = []
+    for s in seqs:
+        out.extend(s[i : i + max_len] for i in range(0, len(s), max_len))
+    return out
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """-> tokens (B, T_max) padded with 0, lengths (B,)."""
+    T = max((len(s) for s in seqs), default=0)
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    lengths = torch.as_tensor([len(s) for s in seqs], dtype=torch.long)
+    return tokens.to(device), lengths.to(device)
+
+
+@dataclass
+class BucketBatcher:
+    """Batches of sentences of similar length, at most `batch_tokens` padded tokens
+    each; the batch order is shuffled per epoch from (seed, epoch), so any step of
+    any epoch can be regenerated on resume."""
+
+    seqs: list[list[int]]
+    batch_tokens: int
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.batch_tokens < 1:
+            raise DataError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
+        gen = torch.Generator().manual_seed(self.seed)
+        # Random tie-breaking before the stable sort so equal-length sentences mix.
+        order = torch.randperm(len(self.seqs), generator=gen).tolist()
+        order.sort(key=lambda i: len(self.seqs[i]))
+        self.batches: list[list[int]] = []
+        cur: list[int] = []
+        for i in order:
+            n = len(self.seqs[i])
+            if cur and (len(cur) + 1) * max(n, len(self.seqs[cur[-1]])) > self.batch_tokens:
+                self.batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            self.batches.append(cur)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
+        return torch.randperm(len(self.batches), generator=gen).tolist()
+
+    def batch(self, step: int) -> tuple[int, list[list[int]]]:
+        """The batch for global step `step` (0-based): (epoch, sequences)."""
+        epoch, k = divmod(step, len(self.batches))
+        idx = self.batches[self.epoch_order(epoch)[k]]
+        return epoch, [self.seqs[i] for i in idx]
+
+    def iter_from(self, step: int) -> Iterator[tuple[int, list[list[int]]]]:
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
+def eval_batches(seqs: Sequence[Sequence[int]], batch_tokens: int) -> Iterator[list[Sequence[int]]]:
+    """Length-sorted batches for scoring (order does not matter for sums)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * len(seqs[i]) > batch_tokens:
+            yield [seqs[j] for j in cur]
+            cur = []
+        cur.append(i)
+    if cur:
+        yield [seqs[j] for j in cur]
+
+
+def perplexity(logprob_sum: float, tokens: int) -> float:
+    return math.exp(-logprob_sum / tokens) if tokens else float("nan")

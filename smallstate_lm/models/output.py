@@ -1,0 +1,61 @@
+"""Output layers: full softmax (optionally tied to the input embedding) or adaptive
+softmax, with target-only log-prob scoring that never holds a (N, V) log-softmax for
+all rows at once outside training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+# Rows of logits computed at once when scoring without gradients: 2^24 floats (64 MB).
+LOGIT_BUDGET = 1 << 24
+
+
+class OutputLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, embedding: nn.Embedding):
+        super().__init__()
+        self.cfg = cfg
+        self.proj = (
+            nn.Linear(cfg.d_model, cfg.embed_dim, bias=False) if cfg.embed_dim != cfg.d_model else None
+        )
+        if cfg.softmax == "adaptive":
+            self.adaptive = nn.AdaptiveLogSoftmaxWithLoss(
+                cfg.embed_dim, cfg.vocab_size, cutoffs=list(cfg.adaptive_cutoffs), div_value=4.0
+            )
+            self.weight = None
+            self.bias = None
+        else:
+            self.adaptive = None
+            self.weight = embedding.weight if cfg.tie_embeddings else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.embed_dim).normal_(0.0, 0.02)
+            )
+            self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def _features(self, h: Tensor) -> Tensor:
+        return self.proj(h) if self.proj is not None else h
+
+    def target_logprob(self, h: Tensor, targets: Tensor) -> Tensor:
+        """h (N, d_model), targets (N,) -> (N,) natural-log p(target)."""
+        x = self._features(h)
+        if self.adaptive is not None:
+            return self.adaptive(x, targets).output
+        if torch.is_grad_enabled():
+            return -F.cross_entropy(F.linear(x, self.weight, self.bias).float(), targets, reduction="none")
+        rows = max(1, LOGIT_BUDGET // self.weight.shape[0])
+        out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for i in range(0, x.shape[0], rows):
+            logits = F.linear(x[i : i + rows], self.weight, self.bias).float()  # (n, V)
+            tgt = targets[i : i + rows, None]
+            out[i : i + rows] = (logits.gather(1, tgt) - torch.logsumexp(logits, dim=1, keepdim=True))[:, 0]
+        return out
+
+    def log_probs(self, h: Tensor) -> Tensor:
+        """h (N, d_model) -> (N, V) natural-log next-token distribution."""
+        x = self._features(h)
+        if self.adaptive is not None:
+            return self.adaptive.log_prob(x)
+        return F.log_softmax(F.linear(x, self.weight, self.bias).float(), dim=-1)

@@ -1,0 +1,238 @@
+"""The small-state Transformer LM (Irie et al. 2020).
+
+`n_layers` pre-LayerNorm self-attention layers, each followed by `ff_per_layer`
+feed-forward sublayers with their own LayerNorm and residual; no positional
+encoding (the causal mask alone orders the tokens). With `shared_kv` one projection
+gives both keys and values, so the state stores keys only: n_layers × d_model
+numbers per position instead of twice that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..state import LMState, check_tokens, length_mask
+from ..vocab import BOS_ID
+from .config import ModelConfig
+from .output import OutputLayer
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerState(LMState):
+    """Per-layer attention memory of the history, plus the pending token.
+
+    keys[l], values[l]: (B, H, S, Dh) for the S positions already run through the
+    model; `values` is None with shared_kv. last: (B,) the most recent token, not yet
+    run through the model (its output predicts the next token, so running it is
+    deferred until that token is known). mask: (B, S) bool, False at positions that
+    were padding in a call with `lengths`; None when every position is valid.
+    """
+
+    keys: list[Tensor]
+    values: list[Tensor] | None
+    last: Tensor
+    mask: Tensor | None = None
+
+    memory_fields = ("keys", "values")
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h = cfg.n_heads
+        self.dh = cfg.d_model // cfg.n_heads
+        self.shared_kv = cfg.shared_kv
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = None if cfg.shared_kv else nn.Linear(cfg.d_model, cfg.d_model)
+        self.o = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(
+        self, x: Tensor, past_k: Tensor, past_v: Tensor | None, mask: Tensor | None, causal: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """x (B, T, d); past_k/v (B, H, S, Dh). Returns output (B, T, d) and the
+        extended keys/values (B, H, S+T, Dh)."""
+        B, T, d = x.shape
+        q = self.q(x).view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
+        k = torch.cat([past_k, self.k(x).view(B, T, self.h, self.dh).transpose(1, 2)], dim=2)  # (B, H, S+T, Dh)
+        if self.shared_kv:
+            v, new_v = k, None
+        else:
+            v = torch.cat([past_v, self.v(x).view(B, T, self.h, self.dh).transpose(1, 2)], dim=2)
+            new_v = v
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, H, T, Dh)
+        return self.o(y.transpose(1, 2).reshape(B, T, d)), k, new_v
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.drop(self.fc2(self.drop(F.relu(self.fc1(self.norm(x))))))
+
+
+class Layer(nn.Module):
+    """One attention sublayer followed by F feed-forward sublayers."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attn = SelfAttention(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.ffs = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.ff_per_layer))
+
+    def forward(self, x, past_k, past_v, mask, causal):
+        a, k, v = self.attn(self.norm(x), past_k, past_v, mask, causal)
+        x = x + self.drop(a)
+        for ff in self.ffs:
+            x = ff(x)
+        return x, k, v
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
+        self.embed_proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.output = OutputLayer(cfg, self.embed)
+        self.apply(_init_weights)
+
+    # ---- the state contract ----------------------------------------------------------
+    def state_numel_per_position(self) -> int:
+        return self.cfg.n_layers * self.cfg.d_model * (1 if self.cfg.shared_kv else 2)
+
+    def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> TransformerState:
+        """The state after `<s>`: nothing cached yet, `<s>` pending. No compute."""
+        p = next(self.parameters())
+        device = p.device if device is None else torch.device(device)
+        H, Dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
+        empty = lambda: torch.empty(batch_size, H, 0, Dh, dtype=p.dtype, device=device)
+        return TransformerState(
+            keys=[empty() for _ in self.layers],
+            values=None if self.cfg.shared_kv else [empty() for _ in self.layers],
+            last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
+        )
+
+    def score(
+        self, tokens: Tensor, state: TransformerState, lengths: Tensor | None = None
+    ) -> tuple[Tensor, TransformerState]:
+        """Target log-probs of `tokens` given the history in `state`.
+
+        tokens: (B, T) LongTensor. lengths: optional (B,) — row b holds
+        lengths[b] real tokens followed by padding (any id); padded positions get
+        log-prob 0 and do not enter the returned state. Returns logp (B, T), natural
+        log, logp[b, t] = log p(tokens[b, t] | <s>, history, tokens[b, :t]); and the
+        state after each row's real tokens. End a sentence with `</s>` to score it
+        whole. Only target log-probs are computed (chunked; no (B, T, V) tensor).
+        """
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        B, T = tokens.shape
+        if T == 0:
+            return tokens.new_zeros((B, 0), dtype=torch.float32), state
+        h, new_state = self._run(tokens, state, lengths, include_last=False)
+        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
+        if lengths is not None:
+            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
+        return logp, new_state
+
+    def step(
+        self, tokens: Tensor, state: TransformerState, lengths: Tensor | None = None
+    ) -> tuple[Tensor, TransformerState]:
+        """Consume `tokens` (B, T), T >= 0, and return the (B, V) natural-log
+        distribution of the token after each row's last real token, plus the state
+        after the tokens (the same state `score` would return)."""
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        h, new_state = self._run(tokens, state, lengths, include_last=True)
+        B, T1 = h.shape[0], h.shape[1]
+        idx = (lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device))  # (B,)
+        h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
+        return self.output.log_probs(h_last), new_state
+
+    # ---- internals -----------------------------------------------------------------
+    def _run(self, tokens, state: TransformerState, lengths, include_last: bool):
+        """Run the pending token and tokens[:, :-1] (plus tokens[:, -1] when
+        include_last) through the model; returns hidden (B, T or T+1, d) and the new
+        state, whose cache holds only the T inputs that precede each new target."""
+        B, T = tokens.shape
+        inputs = torch.cat([state.last[:, None], tokens], dim=1)  # (B, T+1)
+        if lengths is not None:
+            inputs = inputs.masked_fill(~length_mask(lengths + 1, T + 1), 0)
+        run = inputs if include_last else inputs[:, :T]
+        n_run = run.shape[1]
+        # Row b's inputs are valid up to lengths[b] (exclusive); the extra last column
+        # of `step` is only read out, never cached.
+        n_cache = T
+        valid_new = length_mask(lengths, n_cache) if lengths is not None else None  # (B, T)
+
+        S = state.length
+        mask, causal = None, False
+        hist_valid = state.mask
+        if hist_valid is not None and not bool(hist_valid.all()):
+            key_valid = torch.cat([hist_valid, torch.ones(B, n_run, dtype=torch.bool, device=tokens.device)], 1)
+            q_pos = torch.arange(n_run, device=tokens.device)[:, None] + S  # (n_run, 1)
+            k_pos = torch.arange(S + n_run, device=tokens.device)[None, :]  # (1, S+n_run)
+            mask = (k_pos <= q_pos)[None] & key_valid[:, None, :]  # (B, n_run, S+n_run)
+            mask = mask[:, None]  # (B, 1, n_run, S+n_run)
+        elif n_run > 1:
+            if S == 0:
+                causal = True
+            else:
+                q_pos = torch.arange(n_run, device=tokens.device)[:, None] + S
+                mask = torch.arange(S + n_run, device=tokens.device)[None, :] <= q_pos  # (n_run, S+n_run)
+
+        x = self.embed(run)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+        x = self.drop(x)  # (B, n_run, d)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            past_v = None if state.values is None else state.values[i]
+            x, k, v = layer(x, state.keys[i], past_v, mask, causal)
+            keys.append(k[:, :, : S + n_cache])
+            if v is not None:
+                values.append(v[:, :, : S + n_cache])
+        h = self.norm(x)
+
+        if lengths is None:
+            new_last = tokens[:, -1] if T > 0 else state.last
+            new_mask = None if state.mask is None else torch.cat(
+                [state.mask, torch.ones(B, n_cache, dtype=torch.bool, device=tokens.device)], 1)
+        else:
+            picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+            new_last = torch.where(lengths > 0, picked, state.last)
+            hist = state.mask if state.mask is not None else torch.ones(B, S, dtype=torch.bool, device=tokens.device)
+            new_mask = torch.cat([hist, valid_new], 1)
+        new_state = TransformerState(
+            keys=keys, values=None if state.values is None else values, last=new_last, mask=new_mask
+        )
+        return h, new_state
+
+
+def _init_weights(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, 0.0, 0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, 0.0, 0.02)
