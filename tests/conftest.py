@@ -1,0 +1,40 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "data"
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """A few thousand bundled sentences for training tests, and 200 for validation."""
+    d = tmp_path_factory.mktemp("corpus")
+    train_lines = (DATA / "train.txt").read_text().splitlines()[:3000]
+    valid_lines = (DATA / "valid.txt").read_text().splitlines()[:200]
+    (d / "train.txt").write_text("\n".join(train_lines) + "\n")
+    (d / "valid.txt").write_text("\n".join(valid_lines) + "\n")
+    return d / "train.txt", d / "valid.txt"
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real console entry point in a subprocess, as a user runs it."""
+    env = dict(os.environ)
+    env.pop("SMALLSTATE_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "smallstate_lm.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+# Tests use tiny tensors: one intra-op thread avoids spin-wait contention between
+# threads (and with other processes) that costs more than it saves at this size.
+torch.set_num_threads(1)

@@ -1,0 +1,72 @@
+import json
+import math
+
+import torch
+
+from smallstate_lm.checkpoint import load_model
+from smallstate_lm.data import encode_sentences, read_sentences
+from smallstate_lm.evaluate import evaluate_file
+from smallstate_lm.train import TrainConfig, train
+
+
+def tc(corpus, out, **kw):
+    base = dict(train=str(corpus[0]), valid=str(corpus[1]), out=str(out), preset="tiny", batch_tokens=2048,
+                lr=3e-3, warmup_steps=10, valid_every=10, patience=0, progress=False, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def read_log(out):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_validation_perplexity_falls_monotonically(small_corpus, tmp_path):
+    out = tmp_path / "run"
+    summary = train(tc(small_corpus, out, max_steps=40))
+    ppls = [r["valid_ppl"] for r in read_log(out) if r.get("event") == "valid"]
+    assert len(ppls) == 4
+    assert all(b < a for a, b in zip(ppls, ppls[1:])), ppls
+    assert summary["best_valid_ppl"] == min(ppls)
+    assert (out / "model.pt").exists() and (out / "last.pt").exists() and (out / "vocab.txt").exists()
+
+
+def test_resume_continues_from_the_saved_step_with_the_same_losses(small_corpus, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(tc(small_corpus, whole, max_steps=16, valid_every=8))
+    first = train(tc(small_corpus, split, max_steps=16, valid_every=8, stop_after=8))
+    assert first["steps"] == 8 and first["stop_reason"] == "stop_after"
+    second = train(tc(small_corpus, split, max_steps=16, valid_every=8, resume=True))
+    assert second["steps"] == 16
+    steps_whole = {r["step"]: r["loss"] for r in read_log(whole) if "loss" in r}
+    log_split = [r for r in read_log(split) if "loss" in r]
+    assert [r["step"] for r in log_split] == list(range(1, 17))  # resumed at step 9, not from 1
+    for r in log_split:
+        assert math.isclose(r["loss"], steps_whole[r["step"]], rel_tol=0, abs_tol=1e-6), r["step"]
+
+
+def test_checkpoint_reloads_the_exact_model_and_eval_counts_like_token_by_token(small_corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tc(small_corpus, out, max_steps=10))
+    lm = load_model(out)
+    report = evaluate_file(out, small_corpus[1])
+    # Perplexity recomputed one sentence at a time, one token at a time, through the state.
+    seqs = encode_sentences(read_sentences(small_corpus[1])[:40], lm.vocab)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for s in seqs:
+            state = lm.model.initial_state(1)
+            for tok in s:
+                lp, state = lm.model.score(torch.tensor([[tok]]), state)
+                total += float(lp)
+                n += 1
+    head = evaluate_file(out, _head(small_corpus[1], tmp_path, 40))
+    assert math.isclose(head["perplexity"], math.exp(-total / n), rel_tol=1e-5)
+    assert head["tokens"] == n == sum(len(s) for s in seqs)  # words + one </s> each
+    assert report["state_numel_per_position"] == 2 * 2 * 64
+    assert report["state_bytes_per_position"] == 2 * 2 * 64 * 4
+
+
+def _head(path, tmp_path, n):
+    p = tmp_path / "head.txt"
+    p.write_text("\n".join(path.read_text().splitlines()[:n]) + "\n")
+    return p
