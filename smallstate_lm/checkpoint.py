@@ -77,7 +77,9 @@ class LoadedModel:
     extra: dict
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", default_file: str = MODEL_FILE) -> LoadedModel:
+def load_model(
+    path: str | os.PathLike, device: str | torch.device = "cpu", default_file: str = MODEL_FILE
+) -> LoadedModel:
     """Rebuild the exact saved model in eval mode; every failure is a CheckpointError
     naming the file."""
     path, obj = read_checkpoint(path, default_file)

@@ -33,6 +33,15 @@ def _parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def _set_threads(n: int | None) -> None:
+    if n is not None:
+        if n < 1:
+            raise ConfigError(f"--threads must be >= 1, got {n}")
+        import torch
+
+        torch.set_num_threads(n)
+
+
 @app.command()
 def train(
     train: Path = typer.Option(..., "--train", help="Training text, one sentence per line."),
@@ -60,8 +69,10 @@ def train(
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     resume: bool = typer.Option(False, help="Continue the run in --out from its last.pt."),
     quiet: bool = typer.Option(False, help="No progress bar."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
 ):
     """Train an LM on a text file."""
+    _set_threads(threads)
     from .train import TrainConfig, remove_incomplete_run
     from .train import train as run_train
 
@@ -89,8 +100,10 @@ def eval_(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     device: str = typer.Option("cpu"),
     batch_tokens: int = typer.Option(8192),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
 ):
     """Perplexity, speed, parameters and state size of a trained LM."""
+    _set_threads(threads)
     from .evaluate import evaluate_file
     from .train import pick_device
 

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_cli
 
 

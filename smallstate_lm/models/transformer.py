@@ -50,10 +50,10 @@ class SelfAttention(nn.Module):
         self.h = cfg.n_heads
         self.dh = cfg.d_model // cfg.n_heads
         self.shared_kv = cfg.shared_kv
-        self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v = None if cfg.shared_kv else nn.Linear(cfg.d_model, cfg.d_model)
-        self.o = nn.Linear(cfg.d_model, cfg.d_model)
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.v = None if cfg.shared_kv else nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(
@@ -63,11 +63,11 @@ class SelfAttention(nn.Module):
         extended keys/values (B, H, S+T, Dh)."""
         B, T, d = x.shape
         q = self.q(x).view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
-        k = torch.cat([past_k, self.k(x).view(B, T, self.h, self.dh).transpose(1, 2)], dim=2)  # (B, H, S+T, Dh)
+        k = _extend(past_k, self.k(x).view(B, T, self.h, self.dh).transpose(1, 2))  # (B, H, S+T, Dh)
         if self.shared_kv:
             v, new_v = k, None
         else:
-            v = torch.cat([past_v, self.v(x).view(B, T, self.h, self.dh).transpose(1, 2)], dim=2)
+            v = _extend(past_v, self.v(x).view(B, T, self.h, self.dh).transpose(1, 2))  # (B, H, S+T, Dh)
             new_v = v
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
@@ -75,16 +75,23 @@ class SelfAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, d)), k, new_v
 
 
+def _extend(past: Tensor, new: Tensor) -> Tensor:
+    """Append along time; with nothing cached, keep `new` as is (no copy)."""
+    return new if past.shape[2] == 0 else torch.cat([past, new], dim=2)
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + self.drop(self.fc2(self.drop(F.relu(self.fc1(self.norm(x))))))
+        # In place on fresh outputs: saves two (B, T, d_ff)-sized allocations per sublayer.
+        h = self.drop(F.relu(self.fc1(self.norm(x)), inplace=True))
+        return self.drop(self.fc2(h)).add_(x)
 
 
 class Layer(nn.Module):
@@ -99,7 +106,7 @@ class Layer(nn.Module):
 
     def forward(self, x, past_k, past_v, mask, causal):
         a, k, v = self.attn(self.norm(x), past_k, past_v, mask, causal)
-        x = x + self.drop(a)
+        x = self.drop(a).add_(x)
         for ff in self.ffs:
             x = ff(x)
         return x, k, v
@@ -127,10 +134,11 @@ class TransformerLM(nn.Module):
         p = next(self.parameters())
         device = p.device if device is None else torch.device(device)
         H, Dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
-        empty = lambda: torch.empty(batch_size, H, 0, Dh, dtype=p.dtype, device=device)
+        shape = (batch_size, H, 0, Dh)
         return TransformerState(
-            keys=[empty() for _ in self.layers],
-            values=None if self.cfg.shared_kv else [empty() for _ in self.layers],
+            keys=[torch.empty(shape, dtype=p.dtype, device=device) for _ in self.layers],
+            values=None if self.cfg.shared_kv else [torch.empty(shape, dtype=p.dtype, device=device)
+                                                    for _ in self.layers],
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
 

@@ -1,0 +1,65 @@
+"""Shared by the benchmarks: machine description and writing a section of docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADER = ("# Benchmarks\n\nEach section is written by the benchmark named in it; rerun the command to refresh it. "
+          "On CPU only ratios measured in one run are reported (the machine is shared and noisy); "
+          "absolute numbers come from a GPU.\n")
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dev = f"CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} with {torch.get_num_threads()} "
+            f"threads, {dev}, Python {platform.python_version()}")
+
+
+def command() -> str:
+    return "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def timeit(fn: Callable[[], object], repeats: int, sync: bool = False) -> float:
+    """Median seconds of `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace (or append) the section delimited by markers for `name`."""
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    text = DOC.read_text() if DOC.exists() else HEADER
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    tmp = DOC.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, DOC)
