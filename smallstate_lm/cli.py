@@ -150,6 +150,187 @@ def demo(
                f"{r['state_bytes_per_position']:,} bytes; model in {out}/model.pt")
 
 
+ngram_app = typer.Typer(no_args_is_help=True, help="KenLM n-gram models: build and evaluate.")
+app.add_typer(ngram_app, name="ngram")
+
+
+@ngram_app.command("train")
+def ngram_train(
+    text: Path = typer.Option(..., "--text", help="Training text, one sentence per line."),
+    order: int = typer.Option(4, "--order"),
+    out: Path = typer.Option(..., "-o", "--out", help="ARPA file to write."),
+    binary: Optional[Path] = typer.Option(None, "--binary", help="Also write a KenLM binary (faster to load)."),
+    prune: Optional[str] = typer.Option(None, "--prune", help='Count thresholds per order, e.g. "0 0 1".'),
+    memory: str = typer.Option("10%", help="lmplz sort memory (-S)."),
+):
+    """Estimate an n-gram with lmplz (and build_binary)."""
+    from .ngram import build_ngram
+
+    thresholds = None
+    if prune:
+        try:
+            thresholds = [int(x) for x in prune.replace(",", " ").split()]
+        except ValueError:
+            raise ConfigError(f"--prune expects integers, got {prune!r}") from None
+    typer.echo(json.dumps(build_ngram(text, order, out, binary, thresholds, memory), indent=2))
+
+
+@ngram_app.command("eval")
+def ngram_eval(
+    ngram: Path = typer.Option(..., "--ngram", help="ARPA or KenLM binary file."),
+    text: Path = typer.Option(..., "--text"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Perplexity of an n-gram (words + </s>, OOVs as <unk>: the same convention as `eval`)."""
+    from .ngram import evaluate_ngram
+
+    r = evaluate_ngram(ngram, text)
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+    else:
+        typer.echo(f"{r['ngram']} ({r['order']}-gram) on {r['text']}: perplexity {r['perplexity']:.2f} over "
+                   f"{r['tokens']:,} tokens, {r['oov_words']:,} OOV words ({100 * r['oov_rate']:.2f}%)")
+
+
+def _scorers(lm: Optional[Path], ngram: Optional[Path], device: str, batch_tokens: int, share: bool = True):
+    from .checkpoint import load_model
+    from .ngram import NgramLM
+    from .scoring import NeuralScorer
+    from .train import pick_device
+
+    if lm is None and ngram is None:
+        raise ConfigError("give a neural LM (--lm DIR), an n-gram (--ngram FILE), or both")
+    neural = None
+    if lm is not None:
+        dev = pick_device(device)
+        loaded = load_model(lm, dev)
+        neural = NeuralScorer(loaded.model, loaded.vocab, dev, batch_tokens, share)
+    return neural, (NgramLM(ngram) if ngram is not None else None)
+
+
+def _weights(path: Optional[Path], overrides: list[str]):
+    import dataclasses
+
+    from .scoring import Weights
+
+    w = Weights.load(path) if path else Weights()
+    ov = _parse_overrides(overrides)
+    try:
+        return dataclasses.replace(w, **ov)
+    except TypeError as e:
+        raise ConfigError(f"--set: {e}") from None
+
+
+@app.command()
+def rescore(
+    inputs: List[Path] = typer.Argument(..., help="N-best files (.tsv or .jsonl)."),
+    lm: Optional[Path] = typer.Option(None, "--lm", help="Neural LM run directory or checkpoint."),
+    ngram: Optional[Path] = typer.Option(None, "--ngram", help="KenLM ARPA/binary."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="weights.json from `tune`."),
+    set_: List[str] = typer.Option([], "--set", help="Weight override key=value, e.g. --set lm_weight=0.8."),
+    refs: Optional[Path] = typer.Option(None, "--refs", help="Reference text `utt w1 w2 ...` for WER."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output directory."),
+    device: str = typer.Option("auto"),
+    batch_tokens: int = typer.Option(8192),
+    no_prefix_sharing: bool = typer.Option(False, help="Score each hypothesis as its own padded row."),
+    quiet: bool = typer.Option(False),
+):
+    """Rescore n-best lists: writes best.txt, nbest.jsonl and (with --refs) wer.txt."""
+    from .rescoring.nbest import read_nbest, read_text, write_nbest_jsonl, write_text
+    from .rescoring.rescore import apply_weights, compute_components
+    from .rescoring.wer import corpus_wer
+
+    for p in inputs:
+        if p.suffix in (".fst", ".slf", ".gz"):
+            raise ConfigError(f"{p}: lattice input is not supported yet; give n-best files (.tsv, .jsonl)")
+    w = _weights(weights, set_)
+    utts = [u for p in inputs for u in read_nbest(p)]
+    ref = read_text(refs) if refs else None
+    neural, ng = _scorers(lm, ngram, device, batch_tokens, not no_prefix_sharing)
+    comps, stats = compute_components(utts, neural, ng, progress=not quiet)
+    ranked = apply_weights(utts, comps, w)
+    best = {u.utt: u.hyps[0].words for u in ranked}
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "best.txt", best)
+    write_nbest_jsonl(out / "nbest.jsonl", ranked)
+    summary = (f"{stats.utterances} utterances, {stats.hypotheses} hypotheses, {stats.tokens_total} tokens "
+               f"({stats.tokens_computed} computed), OOV {100 * stats.oov_rate:.2f}%, {stats.seconds:.1f} s")
+    if ref is not None:
+        from .vocab import atomic_write_text
+
+        total, per = corpus_wer({u: ref[u] for u in best if u in ref}, best)
+        first, _ = corpus_wer({u: ref[u] for u in best if u in ref}, {u.utt: u.hyps[0].words for u in utts})
+        lines = [f"%WER {100 * total.wer:.2f} [ {total.errors} / {total.ref_words}, {total.ins} ins, "
+                 f"{total.dels} del, {total.sub} sub ]", f"first-pass %WER {100 * first.wer:.2f}"]
+        lines += [f"{u} {c.errors} {c.ref_words}" for u, c in per.items()]
+        atomic_write_text(out / "wer.txt", "\n".join(lines) + "\n")
+        summary += f"; WER {100 * total.wer:.2f}% (first pass {100 * first.wer:.2f}%)"
+    typer.echo(summary)
+
+
+@app.command()
+def tune(
+    nbest: List[Path] = typer.Option(..., "--nbest", help="Dev n-best file(s)."),
+    refs: Path = typer.Option(..., "--refs", help="Dev references `utt w1 w2 ...`."),
+    lm: Optional[Path] = typer.Option(None, "--lm"),
+    ngram: Optional[Path] = typer.Option(None, "--ngram"),
+    out: Path = typer.Option(..., "-o", "--out", help="weights.json to write."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="Starting weights (fixed ones kept)."),
+    set_: List[str] = typer.Option([], "--set", help="Fixed weight key=value, e.g. --set am_scale=0.105."),
+    search: str = typer.Option("lm_weight,ngram_weight,word_penalty", help="Comma-separated weights to tune."),
+    interpolation: str = typer.Option("loglinear", help="loglinear or linear (then lam is tuned too)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of WER against lm_weight (needs matplotlib)."),
+    device: str = typer.Option("auto"),
+    batch_tokens: int = typer.Option(8192),
+    quiet: bool = typer.Option(False),
+):
+    """Tune interpolation weights on a dev set and write the best to a JSON file."""
+    import dataclasses
+
+    from .rescoring.nbest import read_nbest, read_text
+    from .rescoring.rescore import compute_components
+    from .rescoring.tune import DEFAULT_GRID, plot_surface, surface_text
+    from .rescoring.tune import tune as run_tune
+
+    base = dataclasses.replace(_weights(weights, set_), interpolation=interpolation)
+    keys = [k.strip() for k in search.split(",") if k.strip()]
+    if lm is None:
+        keys = [k for k in keys if k != "lm_weight"]
+        base = dataclasses.replace(base, lm_weight=0.0)
+    if ngram is None:
+        keys = [k for k in keys if k != "ngram_weight"]
+        base = dataclasses.replace(base, ngram_weight=0.0)
+    grid = {k: DEFAULT_GRID.get(k, [round(x * 0.1, 3) for x in range(0, 21)]) for k in keys}
+    utts = [u for p in nbest for u in read_nbest(p)]
+    ref = read_text(refs)
+    neural, ng = _scorers(lm, ngram, device, batch_tokens)
+    comps, _ = compute_components(utts, neural, ng, progress=not quiet)
+    r = run_tune(utts, comps, ref, base, grid)
+    typer.echo(surface_text(r))
+    typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  oracle WER "
+               f"{100 * r.oracle_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
+               f"({len(utts)} utterances, {r.ref_words} reference words)")
+    r.weights.save(out, {"dev_wer": r.wer, "dev_utterances": len(utts), "dev_first_pass_wer":
+                         r.baseline_errors / r.ref_words})
+    typer.echo(f"weights -> {out}: " + json.dumps(dataclasses.asdict(r.weights)))
+    if plot is not None:
+        typer.echo(f"plot -> {plot}" if plot_surface(r, str(plot)) else "no plot: matplotlib is not installed")
+
+
+@app.command()
+def wer(
+    ref: Path = typer.Option(..., "--ref", help="Reference text `utt w1 w2 ...`."),
+    hyp: Path = typer.Option(..., "--hyp", help="Hypothesis text, same format."),
+):
+    """Corpus WER with substitutions, deletions and insertions."""
+    from .rescoring.nbest import read_text
+    from .rescoring.wer import corpus_wer
+
+    total, _ = corpus_wer(read_text(ref), read_text(hyp))
+    typer.echo(f"%WER {100 * total.wer:.2f} [ {total.errors} / {total.ref_words}, {total.ins} ins, "
+               f"{total.dels} del, {total.sub} sub ]")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)

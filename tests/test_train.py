@@ -70,3 +70,20 @@ def _head(path, tmp_path, n):
     p = tmp_path / "head.txt"
     p.write_text("\n".join(path.read_text().splitlines()[:n]) + "\n")
     return p
+
+
+def test_sgd_newbob_halves_the_rate_when_validation_stalls(small_corpus, tmp_path):
+    out = tmp_path / "sgd"
+    # threshold 1.0: no validation can improve by 100%, so every one after the first halves the rate
+    train(tc(small_corpus, out, optimizer="sgd", lr=0.5, max_steps=15, valid_every=5, newbob_threshold=1.0))
+    lrs = {r["step"]: r["lr"] for r in read_log(out) if "lr" in r}
+    assert lrs[1] == lrs[5] == 0.5
+    assert lrs[6] == lrs[10] == 0.5  # the first validation has nothing to compare against
+    assert lrs[11] == 0.25
+
+
+def test_early_stopping_after_patience_validations_without_improvement(small_corpus, tmp_path):
+    out = tmp_path / "stall"
+    # a zero learning rate never improves after the first validation
+    s = train(tc(small_corpus, out, lr=0.0, max_steps=100, valid_every=3, patience=2))
+    assert s["stop_reason"] == "early_stopping" and s["steps"] == 9

@@ -43,6 +43,51 @@ class TransformerState(LMState):
     def length(self) -> int:
         return self.keys[0].shape[2]
 
+    @classmethod
+    def cat(cls, states: list["TransformerState"]) -> "TransformerState":
+        """Stack states along the batch; shorter histories are padded with masked
+        positions, so rows of different lengths can share one forward pass."""
+        if len(states) == 1:
+            return states[0]
+        S = max(st.length for st in states)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return t if t.shape[2] == S else F.pad(t, (0, 0, 0, S - t.shape[2]))
+
+        def mask_of(st: "TransformerState") -> torch.Tensor:
+            B, dev = st.last.shape[0], st.last.device
+            m = st.mask if st.mask is not None else torch.ones(B, st.length, dtype=torch.bool, device=dev)
+            return F.pad(m, (0, S - st.length), value=False)
+
+        n_layers = len(states[0].keys)
+        keys = [torch.cat([padded(st.keys[i]) for st in states]) for i in range(n_layers)]
+        values = None if states[0].values is None else [
+            torch.cat([padded(st.values[i]) for st in states]) for i in range(n_layers)]
+        mask = torch.cat([mask_of(st) for st in states])
+        return cls(keys=keys, values=values, last=torch.cat([st.last for st in states]),
+                   mask=None if bool(mask.all()) else mask)
+
+    def compact(self) -> "TransformerState":
+        """Move each row's valid positions to the front and cut the common padding.
+        Exact for this model: without positional encoding, attention over the cached
+        keys does not depend on their order."""
+        if self.mask is None:
+            return self
+        counts = self.mask.sum(1)  # (B,)
+        s_new = int(counts.max()) if counts.numel() else 0
+        if s_new == self.length:
+            return self
+        order = torch.argsort((~self.mask).to(torch.int8), dim=1, stable=True)[:, :s_new]  # (B, S_new)
+        B, H, _, Dh = self.keys[0].shape
+        idx = order[:, None, :, None].expand(B, H, s_new, Dh)
+
+        def gather(ts):
+            return None if ts is None else [t.gather(2, idx) for t in ts]
+
+        new_mask = torch.arange(s_new, device=counts.device)[None, :] < counts[:, None]
+        return TransformerState(keys=gather(self.keys), values=gather(self.values), last=self.last,
+                                mask=None if bool(new_mask.all()) else new_mask)
+
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):

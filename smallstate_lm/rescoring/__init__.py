@@ -1,0 +1,1 @@
+"""N-best (and, later, lattice) rescoring."""

@@ -1,0 +1,131 @@
+"""N-best rescoring: compute every score component once, combine under any weights."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import ConfigError, SmallstateError
+from ..ngram import NgramLM
+from ..scoring import NeuralScorer, Weights, check_overlap
+from .nbest import Utterance
+
+COMPONENTS = ("am", "graph", "neural", "ngram", "n_words", "n_oov")
+
+
+@dataclass
+class Components:
+    """One utterance's per-hypothesis scores (natural log), before weighting."""
+
+    am: np.ndarray
+    graph: np.ndarray
+    n_words: np.ndarray
+    n_oov: np.ndarray
+    neural: np.ndarray | None = None
+    ngram: np.ndarray | None = None
+    neural_tok: list[np.ndarray] | None = None  # per hypothesis: words + </s>
+    ngram_tok: list[np.ndarray] | None = None
+
+    def matrix(self) -> np.ndarray:
+        """(n_hyps, 6) in the order of COMPONENTS; a missing LM contributes zeros."""
+        z = np.zeros_like(self.am)
+        return np.stack([self.am, self.graph, z if self.neural is None else self.neural,
+                         z if self.ngram is None else self.ngram, self.n_words, self.n_oov], axis=1)
+
+
+def weight_vector(w: Weights) -> np.ndarray:
+    return np.array([w.am_scale, w.graph_scale, w.lm_weight, w.ngram_weight, w.word_penalty, w.oov_penalty])
+
+
+def linear_lm(c: Components, lam: float) -> np.ndarray:
+    """sum_t log(lam p_nn + (1 - lam) p_ng) per hypothesis."""
+    if c.neural_tok is None or c.ngram_tok is None:
+        raise ConfigError("linear interpolation needs both a neural LM (--lm) and an n-gram (--ngram)")
+    with np.errstate(divide="ignore"):
+        a, b = np.log(lam), np.log1p(-lam)
+    return np.array([np.logaddexp(a + nn, b + ng).sum() for nn, ng in zip(c.neural_tok, c.ngram_tok)])
+
+
+def totals(c: Components, w: Weights) -> np.ndarray:
+    if w.interpolation == "linear":
+        m = c.matrix()
+        return (w.am_scale * m[:, 0] + w.graph_scale * m[:, 1] + w.lm_weight * linear_lm(c, w.lam)
+                + w.word_penalty * m[:, 4] + w.oov_penalty * m[:, 5])
+    return c.matrix() @ weight_vector(w)
+
+
+@dataclass
+class ScoreStats:
+    utterances: int = 0
+    hypotheses: int = 0
+    tokens_total: int = 0
+    tokens_computed: int = 0
+    oov_rate: float = 0.0
+    seconds: float = 0.0
+
+
+def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = None, ngram: NgramLM | None = None,
+                       progress: bool = True) -> tuple[list[Components], ScoreStats]:
+    """Score every hypothesis with each LM given; the neural LM sees all utterances
+    in batches (prefix-shared unless its scorer says otherwise)."""
+    for u in utts:
+        if not u.hyps:
+            raise SmallstateError(f"utterance {u.utt!r} has an empty hypothesis list")
+    t0 = time.perf_counter()
+    sents = [h.words for u in utts for h in u.hyps]
+    stats = ScoreStats(utterances=len(utts), hypotheses=len(sents))
+    known = neural.vocab if neural is not None else ngram
+    if neural is not None:
+        check_overlap(sents, neural.vocab, "the neural LM")
+    if ngram is not None:
+        check_overlap(sents, ngram, f"the n-gram {ngram.path}")
+    comps = []
+    for u in utts:
+        am = np.array([h.am for h in u.hyps])
+        comps.append(Components(
+            am=am, graph=np.array([h.graph for h in u.hyps]),
+            n_words=np.array([len(h.words) for h in u.hyps], dtype=np.float64),
+            n_oov=np.array([sum(1 for w in h.words if known is not None and w not in known) for h in u.hyps],
+                           dtype=np.float64)))
+    words_total = sum(len(s) for s in sents)
+    stats.oov_rate = float(sum(c.n_oov.sum() for c in comps) / words_total) if words_total else 0.0
+    if neural is not None:
+        chunk = 64  # utterances per progress update; the scorer batches within
+        for i in tqdm(range(0, len(utts), chunk), disable=not progress, desc="neural LM", unit="chunk"):
+            part = utts[i : i + chunk]
+            tok = neural.token_logprobs([[h.words for h in u.hyps] for u in part])
+            for c, t in zip(comps[i : i + chunk], tok):
+                c.neural_tok = t
+                c.neural = np.array([x.sum() for x in t])
+        stats.tokens_total, stats.tokens_computed = neural.tokens_total, neural.tokens_computed
+    if ngram is not None:
+        for u, c in zip(utts, comps):
+            c.ngram_tok = [ngram.token_logprobs(h.words) for h in u.hyps]
+            c.ngram = np.array([x.sum() for x in c.ngram_tok])
+    stats.seconds = time.perf_counter() - t0
+    return comps, stats
+
+
+def apply_weights(utts: Sequence[Utterance], comps: Sequence[Components], w: Weights) -> list[Utterance]:
+    """New utterances with hypotheses sorted best-first, each carrying its components,
+    `total` and `rank` in `scores`."""
+    out = []
+    for u, c in zip(utts, comps):
+        tot = totals(c, w)
+        order = np.argsort(-tot, kind="stable")
+        hyps = []
+        for rank, j in enumerate(order):
+            h = u.hyps[j]
+            scores = {"am": float(c.am[j]), "graph": float(c.graph[j]), "n_words": int(c.n_words[j]),
+                      "n_oov": int(c.n_oov[j]), "total": float(tot[j]), "rank": rank}
+            if c.neural is not None:
+                scores["neural"] = float(c.neural[j])
+            if c.ngram is not None:
+                scores["ngram"] = float(c.ngram[j])
+            hyps.append(type(h)(words=h.words, am=h.am, graph=h.graph, id=h.id, scores=scores))
+        out.append(Utterance(u.utt, hyps))
+    return out

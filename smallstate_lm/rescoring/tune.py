@@ -1,0 +1,189 @@
+"""Weight tuning on a dev set: a grid over the chosen weights, then a finer
+coordinate search around the best point. Every setting re-ranks cached components
+(no LM call); errors per hypothesis are aligned once."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, SmallstateError
+from ..scoring import Weights
+from .nbest import Utterance
+from .rescore import COMPONENTS, Components, linear_lm, weight_vector
+from .wer import align_counts
+
+DEFAULT_GRID = {
+    "lm_weight": np.round(np.arange(0.0, 2.01, 0.1), 3).tolist(),
+    "ngram_weight": np.round(np.arange(0.0, 2.01, 0.1), 3).tolist(),
+    "word_penalty": np.round(np.arange(-3.0, 3.01, 0.25), 3).tolist(),
+}
+SEARCHABLE = ("am_scale", "graph_scale", "lm_weight", "ngram_weight", "word_penalty", "oov_penalty", "lam")
+
+
+@dataclass
+class TuneResult:
+    weights: Weights
+    errors: int
+    ref_words: int
+    baseline_errors: int  # the first hypothesis of each list (the decoder's 1-best)
+    oracle_errors: int
+    grid: dict[str, list[float]]
+    surface: np.ndarray  # errors over the grid, axes in `grid` order (lam first when linear)
+
+    @property
+    def wer(self) -> float:
+        return self.errors / self.ref_words
+
+
+def hypothesis_errors(utts: Sequence[Utterance], refs: dict[str, list[str]]) -> tuple[list[np.ndarray], int]:
+    missing = [u.utt for u in utts if u.utt not in refs]
+    if missing:
+        raise SmallstateError(f"no reference for {len(missing)} utterance(s), e.g. {missing[0]!r}")
+    errs = [np.array([align_counts(refs[u.utt], h.words).errors for h in u.hyps]) for u in utts]
+    return errs, sum(len(refs[u.utt]) for u in utts)
+
+
+class _Stack:
+    """Padded (U, H, 6) components with -inf totals for missing hypotheses."""
+
+    def __init__(self, comps: Sequence[Components], errs: Sequence[np.ndarray]):
+        U, H = len(comps), max(len(e) for e in errs)
+        self.m = np.zeros((U, H, len(COMPONENTS)))
+        self.valid = np.zeros((U, H), dtype=bool)
+        self.err = np.zeros((U, H))
+        for i, (c, e) in enumerate(zip(comps, errs)):
+            self.m[i, : len(e)] = c.matrix()
+            self.valid[i, : len(e)] = True
+            self.err[i, : len(e)] = e
+
+    def errors(self, W: np.ndarray, chunk: int = 512) -> np.ndarray:
+        """W (S, 6) weight vectors -> (S,) total errors of the argmax hypotheses."""
+        out = np.empty(len(W))
+        for s in range(0, len(W), chunk):
+            t = np.einsum("uhk,sk->suh", self.m, W[s : s + chunk])  # (S, U, H)
+            t = np.where(self.valid[None], t, -np.inf)
+            best = t.argmax(axis=2)  # (S, U)
+            out[s : s + chunk] = np.take_along_axis(self.err[None], best[..., None], axis=2)[..., 0].sum(axis=1)
+        return out
+
+
+def _smooth(x: np.ndarray) -> np.ndarray:
+    """Box filter of width 3 along every axis (edges replicated): breaks ties towards
+    the middle of a flat optimum, which transfers better to unseen data."""
+    for ax in range(x.ndim):
+        if x.shape[ax] < 3:
+            continue
+        p = np.concatenate([np.take(x, [0], ax), x, np.take(x, [-1], ax)], axis=ax)
+        n = x.shape[ax]
+        x = (np.take(p, range(0, n), ax) + np.take(p, range(1, n + 1), ax) + np.take(p, range(2, n + 2), ax)) / 3
+    return x
+
+
+def tune(utts: Sequence[Utterance], comps: Sequence[Components], refs: dict[str, list[str]], base: Weights,
+         grid: dict[str, list[float]] | None = None, refine: bool = True) -> TuneResult:
+    grid = dict(grid or DEFAULT_GRID)
+    for k, v in grid.items():
+        if k not in SEARCHABLE:
+            raise ConfigError(f"cannot tune {k!r}; choose among {', '.join(SEARCHABLE)}")
+        if not v:
+            raise ConfigError(f"empty grid for {k!r}")
+    if base.interpolation == "linear":
+        grid.pop("ngram_weight", None)
+        grid.setdefault("lam", np.round(np.arange(0.0, 1.001, 0.1), 3).tolist())
+        grid = {"lam": grid.pop("lam"), **grid}  # lam first: components change with it
+    elif "lam" in grid:
+        grid.pop("lam")
+    errs, ref_words = hypothesis_errors(utts, refs)
+    baseline = int(sum(e[0] for e in errs))
+    oracle = int(sum(e.min() for e in errs))
+    keys = list(grid)
+
+    def vectors(points: list[dict]) -> np.ndarray:
+        return np.array([weight_vector(dataclasses.replace(base, **p)) for p in points])
+
+    def errors_for(points: list[dict]) -> np.ndarray:
+        if base.interpolation != "linear":
+            return _Stack(comps, errs).errors(vectors(points))
+        out = np.empty(len(points))
+        by_lam: dict[float, list[int]] = {}
+        for i, p in enumerate(points):
+            by_lam.setdefault(p.get("lam", base.lam), []).append(i)
+        for lam, idx in by_lam.items():
+            lin = [dataclasses.replace(c, neural=linear_lm(c, lam), ngram=None) for c in comps]
+            # the interpolated LM sits in the neural column; the n-gram column is empty
+            out[idx] = _Stack(lin, errs).errors(vectors([{**points[i], "lam": lam} for i in idx]))
+        return out
+
+    points = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
+    e = errors_for(points)
+    surface = e.reshape([len(grid[k]) for k in keys])
+    score = surface + 1e-3 * _smooth(surface)  # errors first; smoothed errors break ties
+    best_point = points[int(np.argmin(score.reshape(-1)))]
+    best_err = float(e[int(np.argmin(score.reshape(-1)))])
+    if refine:
+        for k in keys:
+            vals = grid[k]
+            step = (vals[1] - vals[0]) / 4 if len(vals) > 1 else 0
+            if step <= 0 or k == "lam":
+                continue
+            cands = [{**best_point, k: round(best_point[k] + d * step, 6)} for d in (-2, -1, 1, 2)]
+            ce = errors_for(cands)
+            j = int(np.argmin(ce))
+            if ce[j] < best_err:
+                best_point, best_err = cands[j], float(ce[j])
+    w = dataclasses.replace(base, **best_point)
+    return TuneResult(weights=w, errors=int(best_err), ref_words=ref_words, baseline_errors=baseline,
+                      oracle_errors=oracle, grid=grid, surface=surface)
+
+
+def surface_text(r: TuneResult) -> str:
+    """WER against each tuned weight, the others held at their best values."""
+    keys = list(r.grid)
+    best_idx = []
+    for k in keys:
+        vals = np.array(r.grid[k])
+        best_idx.append(int(np.argmin(np.abs(vals - getattr(r.weights, k)))))
+    lines = []
+    for ax, k in enumerate(keys):
+        idx = list(best_idx)
+        row = []
+        for i, v in enumerate(r.grid[k]):
+            idx[ax] = i
+            row.append(f"{v:g}:{100 * r.surface[tuple(idx)] / r.ref_words:.2f}")
+        lines.append(f"WER% vs {k}: " + "  ".join(row))
+    return "\n".join(lines)
+
+
+def plot_surface(r: TuneResult, path: str) -> bool:
+    """PNG of WER against lm_weight (others at their best); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    keys = list(r.grid)
+    if "lm_weight" not in keys:
+        return False
+    idx = [int(np.argmin(np.abs(np.array(r.grid[k]) - getattr(r.weights, k)))) for k in keys]
+    ax_i = keys.index("lm_weight")
+    ys = []
+    for i in range(len(r.grid["lm_weight"])):
+        idx[ax_i] = i
+        ys.append(100 * r.surface[tuple(idx)] / r.ref_words)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(r.grid["lm_weight"], ys, marker="o")
+    ax.set_xlabel("lm_weight")
+    ax.set_ylabel("WER (%)")
+    ax.set_title("dev WER vs neural LM weight (other weights at their best)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True

@@ -1,0 +1,262 @@
+"""Scorers and score combination (DESIGN §4).
+
+Every hypothesis keeps its components separately — am, graph, neural, ngram, the
+word count and OOV count — so a sweep over weights re-ranks cached numbers and never
+calls an LM again. All scores are natural log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .data import pad_batch
+from .errors import ConfigError, VocabularyError
+from .vocab import EOS_ID, Vocabulary, atomic_write_text
+
+
+@dataclass
+class Weights:
+    """total = am_scale*am + graph_scale*graph + lm_weight*neural + ngram_weight*ngram
+               + word_penalty*n_words + oov_penalty*n_oov        (interpolation="loglinear")
+
+    With interpolation="linear" the neural and n-gram terms are replaced by
+    lm_weight * sum_t log(lam * p_nn(t) + (1 - lam) * p_ng(t)).
+    Defaults suit a decoder whose am is a raw acoustic log-likelihood (Kaldi-style
+    acoustic scale 1/10) and whose graph score is a natural-log LM probability;
+    graph_scale=0 replaces the first-pass LM instead of adding to it.
+    """
+
+    am_scale: float = 0.1
+    graph_scale: float = 1.0
+    lm_weight: float = 0.5
+    ngram_weight: float = 0.5
+    word_penalty: float = 0.0
+    oov_penalty: float = 0.0
+    interpolation: Literal["loglinear", "linear"] = "loglinear"
+    lam: float = 0.5
+
+    def __post_init__(self):
+        if self.interpolation not in ("loglinear", "linear"):
+            raise ConfigError(f"interpolation must be 'loglinear' or 'linear', got {self.interpolation!r}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"lam must lie in [0, 1], got {self.lam}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"weight {f.name} must be finite, got {v}")
+
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
+        atomic_write_text(Path(path), json.dumps({**asdict(self), **(extra or {})}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Weights":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: weights file not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a JSON object of weights")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: (v if k == "interpolation" else float(v)) for k, v in d.items() if k in known})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: bad weight value ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Neural scoring
+# ---------------------------------------------------------------------------------------
+
+
+class PrefixTrie:
+    """The prefix trie of token sequences, cut into segments: maximal non-branching
+    chains of nodes. One segment is one row of one `score` call; a segment's parent
+    is the segment holding the node it hangs from, and its level is its depth in
+    segments (all segments of a level are scored in one batched call)."""
+
+    def __init__(self, seqs: Sequence[Sequence[int]]):
+        children: list[dict[int, int]] = [{}]  # node 0 is the root (the state after <s>)
+        token: list[int] = [-1]
+        self.node_paths: list[list[int]] = []
+        for s in seqs:
+            node, path = 0, []
+            for t in s:
+                nxt = children[node].get(t)
+                if nxt is None:
+                    nxt = len(children)
+                    children[node][t] = nxt
+                    children.append({})
+                    token.append(t)
+                node = nxt
+                path.append(node)
+            self.node_paths.append(path)
+        ends = {p[-1] for p in self.node_paths if p}
+        self.n_nodes = len(children) - 1
+        self.seg_nodes: list[list[int]] = []
+        self.seg_tokens: list[list[int]] = []
+        self.seg_parent: list[int] = []
+        self.seg_level: list[int] = []
+        stack = [(0, -1, 0)]  # (node the segments hang from, its segment, level)
+        while stack:
+            start, parent, level = stack.pop()
+            for child in children[start].values():
+                nodes = [child]
+                while len(children[nodes[-1]]) == 1 and nodes[-1] not in ends:
+                    nodes.append(next(iter(children[nodes[-1]].values())))
+                idx = len(self.seg_nodes)
+                self.seg_nodes.append(nodes)
+                self.seg_tokens.append([token[n] for n in nodes])
+                self.seg_parent.append(parent)
+                self.seg_level.append(level)
+                if children[nodes[-1]]:
+                    stack.append((nodes[-1], idx, level + 1))
+
+    @property
+    def n_levels(self) -> int:
+        return 1 + max(self.seg_level, default=-1)
+
+
+class NeuralScorer:
+    """Per-token natural-log probabilities of word sequences under a stateful LM.
+
+    `share_prefixes=True` scores each unique prefix once (a trie over all
+    hypotheses of a group of utterances), level by level, with `state.select()`
+    handing each branch its parent's state; `False` scores every hypothesis as its
+    own padded row. Both give the same numbers (up to float rounding).
+    """
+
+    def __init__(self, model: nn.Module, vocab: Vocabulary, device: str | torch.device = "cpu",
+                 batch_tokens: int = 8192, share_prefixes: bool = True, group_tokens: int | None = None):
+        self.model, self.vocab, self.device = model, vocab, torch.device(device)
+        self.batch_tokens = batch_tokens
+        self.group_tokens = group_tokens or 8 * batch_tokens
+        self.share_prefixes = share_prefixes
+        self.tokens_total = 0
+        self.tokens_computed = 0
+
+    def encode(self, words: Sequence[str]) -> list[int]:
+        """Word ids followed by `</s>`; OOVs become `<unk>`."""
+        return self.vocab.encode(words) + [EOS_ID]
+
+    @torch.no_grad()
+    def token_logprobs(self, groups: Sequence[Sequence[Sequence[str]]]) -> list[list[np.ndarray]]:
+        """groups: per utterance, its hypotheses as word lists. Returns, per utterance
+        and hypothesis, an array of len(words)+1 log-probs (the last one is `</s>`)."""
+        encoded = [[self.encode(h) for h in hyps] for hyps in groups]
+        out: list[list[np.ndarray]] = [[None] * len(h) for h in encoded]  # type: ignore[list-item]
+        self.model.eval()
+        if not self.share_prefixes:
+            flat = [(u, j, seq) for u, hyps in enumerate(encoded) for j, seq in enumerate(hyps)]
+            flat.sort(key=lambda x: len(x[2]))
+            i = 0
+            while i < len(flat):
+                n = 1
+                while i + n < len(flat) and (n + 1) * len(flat[i + n][2]) <= self.batch_tokens:
+                    n += 1
+                chunk = flat[i : i + n]
+                seqs = [c[2] for c in chunk]
+                lp, _ = self._score_rows(seqs, None, None)
+                for (u, j, seq), row in zip(chunk, lp):
+                    out[u][j] = row[: len(seq)]
+                self.tokens_total += sum(len(s) for s in seqs)
+                self.tokens_computed += sum(len(s) for s in seqs)
+                i += n
+            return out
+        # Utterances are grouped so that a group's trie holds about `group_tokens` tokens:
+        # big levels make big batches, which is what keeps a CPU or GPU busy.
+        start = 0
+        while start < len(encoded):
+            end, budget = start, 0
+            while end < len(encoded) and (end == start or budget + sum(map(len, encoded[end])) <= self.group_tokens):
+                budget += sum(map(len, encoded[end]))
+                end += 1
+            self._score_group(encoded[start:end], out[start:end])
+            start = end
+        return out
+
+    def _score_rows(self, seqs, parent_state, parent_rows):
+        """Score padded rows, each continuing row `parent_rows[i]` of `parent_state`
+        (or `<s>`); -> (logp as float64 numpy (n, T_max), state after each row)."""
+        tokens, lengths = pad_batch(seqs, self.device)
+        state = (self.model.initial_state(len(seqs), self.device) if parent_state is None
+                 else parent_state.select(torch.as_tensor(parent_rows, device=self.device)))
+        logp, new_state = self.model.score(tokens, state, lengths)
+        return logp.double().cpu().numpy(), new_state
+
+    def _score_group(self, encoded, out) -> None:
+        seqs = [s for hyps in encoded for s in hyps]
+        trie = PrefixTrie(seqs)
+        node_logp = np.zeros(trie.n_nodes + 1)
+        prev_state, row_of = None, {}
+        has_children = {p for p in trie.seg_parent if p >= 0}
+        by_level: list[list[int]] = [[] for _ in range(trie.n_levels)]
+        for i, lv in enumerate(trie.seg_level):
+            by_level[lv].append(i)
+        for segs in by_level:
+            states, new_row_of, base = [], {}, 0
+            for batch in _length_batches(segs, trie.seg_tokens, self.batch_tokens):
+                parent_rows = None if prev_state is None else [row_of[trie.seg_parent[i]] for i in batch]
+                lp, st = self._score_rows([trie.seg_tokens[i] for i in batch], prev_state, parent_rows)
+                keep = []
+                for r, i in enumerate(batch):
+                    nodes = trie.seg_nodes[i]
+                    node_logp[nodes] = lp[r, : len(nodes)]
+                    if i in has_children:  # leaves (hypothesis ends) need no state
+                        new_row_of[i] = base + len(keep)
+                        keep.append(r)
+                if keep:
+                    base += len(keep)
+                    states.append(st.select(torch.as_tensor(keep, device=self.device)).compact())
+            if not states:
+                break
+            prev_state = type(states[0]).cat(states) if len(states) > 1 else states[0]
+            row_of = new_row_of
+        k = 0
+        for u, hyps in enumerate(encoded):
+            for j in range(len(hyps)):
+                out[u][j] = node_logp[trie.node_paths[k]]
+                k += 1
+        self.tokens_total += sum(len(s) for s in seqs)
+        self.tokens_computed += trie.n_nodes
+
+
+def _length_batches(segs: list[int], tokens: list[list[int]], budget: int, slack: float = 2.0):
+    """Rows of similar length together: a batch closes when the padded size would pass
+    the token budget or its longest row would exceed `slack` x its shortest."""
+    order = sorted(segs, key=lambda i: len(tokens[i]))
+    batch: list[int] = []
+    for i in order:
+        n = len(tokens[i])
+        if batch and ((len(batch) + 1) * n > budget or n > slack * len(tokens[batch[0]]) + 1):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def check_overlap(sentences: Sequence[Sequence[str]], known, what: str, min_known: float = 0.5) -> float:
+    """Fraction of word tokens that `known` contains; below `min_known` the decoder's
+    words and the LM's vocabulary do not match (wrong model, case folding...)."""
+    total = sum(len(s) for s in sentences)
+    if total == 0:
+        return 1.0
+    hit = sum(1 for s in sentences for w in s if w in known)
+    rate = hit / total
+    if rate < min_known:
+        sample = [w for s in sentences for w in s if w not in known][:5]
+        raise VocabularyError(f"{what}: only {100 * rate:.1f}% of {total} hypothesis words are in its vocabulary "
+                              f"(e.g. {', '.join(sample)}); wrong model, or a case/normalisation mismatch?")
+    return rate
