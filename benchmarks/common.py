@@ -52,14 +52,14 @@ def timeit(fn: Callable[[], object], repeats: int, sync: bool = False) -> float:
     return statistics.median(times)
 
 
-def write_section(name: str, body: str) -> None:
-    """Replace (or append) the section delimited by markers for `name`."""
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else HEADER
+def write_section(name: str, body: str, doc: Path = DOC, header: str = HEADER) -> None:
+    """Replace (or append) the section delimited by markers for `name` in `doc`."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.exists() else header
     start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
     block = f"{start}\n{body.rstrip()}\n{end}"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    tmp = DOC.with_suffix(".md.tmp")
+    tmp = doc.with_suffix(".md.tmp")
     tmp.write_text(text)
-    os.replace(tmp, DOC)
+    os.replace(tmp, doc)

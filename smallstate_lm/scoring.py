@@ -89,6 +89,7 @@ class PrefixTrie:
     def __init__(self, seqs: Sequence[Sequence[int]]):
         children: list[dict[int, int]] = [{}]  # node 0 is the root (the state after <s>)
         token: list[int] = [-1]
+        parent: list[int] = [-1]
         self.node_paths: list[list[int]] = []
         for s in seqs:
             node, path = 0, []
@@ -99,11 +100,15 @@ class PrefixTrie:
                     children[node][t] = nxt
                     children.append({})
                     token.append(t)
+                    parent.append(node)
                 node = nxt
                 path.append(node)
             self.node_paths.append(path)
         ends = {p[-1] for p in self.node_paths if p}
         self.n_nodes = len(children) - 1
+        # nodes 1..n in creation order: every parent precedes its children
+        self.node_token = token
+        self.node_parent = parent
         self.seg_nodes: list[list[int]] = []
         self.seg_tokens: list[list[int]] = []
         self.seg_parent: list[int] = []
@@ -131,17 +136,23 @@ class PrefixTrie:
 class NeuralScorer:
     """Per-token natural-log probabilities of word sequences under a stateful LM.
 
-    `share_prefixes=True` scores each unique prefix once (a trie over all
-    hypotheses of a group of utterances), level by level, with `state.select()`
-    handing each branch its parent's state; `False` scores every hypothesis as its
-    own padded row. Both give the same numbers (up to float rounding).
+    `share_prefixes=True` scores each unique prefix once: per utterance, a trie over
+    its hypotheses, scored in one pass of tree attention when the model has
+    `score_tree`, else segment by segment with `state.select()` handing each branch
+    its parent's state (batched across utterances level by level). `False` scores
+    every hypothesis as its own padded row. All give the same numbers up to float
+    rounding.
     """
 
     def __init__(self, model: nn.Module, vocab: Vocabulary, device: str | torch.device = "cpu",
-                 batch_tokens: int = 8192, share_prefixes: bool = True, group_tokens: int | None = None):
+                 batch_tokens: int = 8192, share_prefixes: bool = True, group_tokens: int | None = None,
+                 use_tree: bool = True):
         self.model, self.vocab, self.device = model, vocab, torch.device(device)
         self.batch_tokens = batch_tokens
         self.group_tokens = group_tokens or 8 * batch_tokens
+        # Tree attention (one pass per trie) where the model offers it; otherwise the
+        # tries are walked level by level through the state contract.
+        self.use_tree = use_tree and hasattr(model, "score_tree")
         self.share_prefixes = share_prefixes
         self.tokens_total = 0
         self.tokens_computed = 0
@@ -174,6 +185,9 @@ class NeuralScorer:
                 self.tokens_computed += sum(len(s) for s in seqs)
                 i += n
             return out
+        if self.use_tree:
+            self._score_trees(encoded, out)
+            return out
         # Utterances are grouped so that a group's trie holds about `group_tokens` tokens:
         # big levels make big batches, which is what keeps a CPU or GPU busy.
         start = 0
@@ -185,6 +199,30 @@ class NeuralScorer:
             self._score_group(encoded[start:end], out[start:end])
             start = end
         return out
+
+    def _score_trees(self, encoded, out) -> None:
+        """One row per utterance: its whole trie in one pass of tree attention."""
+        tries = [PrefixTrie(hyps) for hyps in encoded]
+        order = sorted(range(len(tries)), key=lambda i: tries[i].n_nodes)
+        i = 0
+        while i < len(order):
+            n = 1
+            while i + n < len(order) and (n + 1) * tries[order[i + n]].n_nodes <= self.batch_tokens:
+                n += 1
+            batch = order[i : i + n]
+            rows = [tries[j] for j in batch]
+            tok = [t.node_token[1:] for t in rows]
+            par = [[p - 1 for p in t.node_parent[1:]] for t in rows]
+            tokens, lengths = pad_batch(tok, self.device)
+            parents, _ = pad_batch(par, self.device)
+            logp = self.model.score_tree(tokens, parents, lengths).double().cpu().numpy()
+            for r, j in enumerate(batch):
+                node_logp = np.concatenate([[0.0], logp[r, : rows[r].n_nodes]])
+                for k, path in enumerate(rows[r].node_paths):
+                    out[j][k] = node_logp[path]
+                self.tokens_total += sum(len(s) for s in encoded[j])
+                self.tokens_computed += rows[r].n_nodes
+            i += n
 
     def _score_rows(self, seqs, parent_state, parent_rows):
         """Score padded rows, each continuing row `parent_rows[i]` of `parent_state`

@@ -4,13 +4,20 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import TEST_DATA
+
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.errors import ConfigError, SmallstateError, VocabularyError
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.nbest import (NBestFormatError, Hypothesis, Utterance, read_nbest_jsonl,
-                                           read_nbest_tsv, read_text, write_nbest_jsonl)
+from smallstate_lm.rescoring.nbest import (
+    Hypothesis,
+    NBestFormatError,
+    Utterance,
+    read_nbest_jsonl,
+    read_nbest_tsv,
+    read_text,
+    write_nbest_jsonl,
+)
 from smallstate_lm.rescoring.rescore import apply_weights, compute_components
 from smallstate_lm.rescoring.wer import align_counts
 from smallstate_lm.scoring import NeuralScorer, Weights
@@ -75,10 +82,12 @@ def test_text_reader_rejects_duplicates(tmp_path):
         read_text(p)
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_neural_scores_equal_scoring_each_sentence_alone(tiny_lm_dir, utts, share):
+@pytest.mark.parametrize("share,tree", [(True, True), (True, False), (False, False)],
+                         ids=["tree-attention", "trie-levels-select", "padded"])
+def test_neural_scores_equal_scoring_each_sentence_alone(tiny_lm_dir, utts, share, tree):
     lm = load_model(tiny_lm_dir)
-    scorer = NeuralScorer(lm.model, lm.vocab, "cpu", batch_tokens=512, share_prefixes=share, group_tokens=600)
+    scorer = NeuralScorer(lm.model, lm.vocab, "cpu", batch_tokens=512, share_prefixes=share, group_tokens=600,
+                          use_tree=tree)
     got = scorer.token_logprobs([[h.words for h in u.hyps] for u in utts])
     with torch.no_grad():
         for u, per in zip(utts, got):

@@ -3,8 +3,8 @@ import math
 import kenlm
 import numpy as np
 import pytest
-
 from conftest import DATA, run_cli
+
 from smallstate_lm.ngram import NgramError, NgramLM, build_ngram, evaluate_ngram
 
 

@@ -139,3 +139,19 @@ def test_score_checks_its_arguments(model):
         model.score(torch.full((2, 2), V, dtype=torch.long), state)
     with pytest.raises(ValueError, match="lengths"):
         model.score(torch.zeros(2, 2, dtype=torch.long), state, torch.tensor([3, 1]))
+
+
+@torch.no_grad()
+def test_tree_attention_equals_scoring_each_path(model):
+    # trie: 0:a -> 1:b -> {2:c, 3:d -> 4:e}, 5:f (a second root)
+    tok = torch.randint(0, V, (1, 6))
+    parents = torch.tensor([[-1, 0, 1, 1, 3, -1]])
+    lp = model.score_tree(tok, parents)
+    for path in ([0, 1, 2], [0, 1, 3, 4], [5]):
+        ref, _ = model.score(tok[:, path], model.initial_state(1))
+        assert (lp[0, path] - ref[0]).abs().max() <= TOL
+    # padded rows in one batch give the same numbers
+    tok2 = torch.cat([tok, torch.randint(0, V, (1, 6))])
+    par2 = torch.cat([parents, torch.tensor([[-1, 0, 0, 9, 9, 9]])])
+    lp2 = model.score_tree(tok2, par2, torch.tensor([6, 3]))
+    assert (lp2[0] - lp[0]).abs().max() <= TOL and (lp2[1, 3:] == 0).all()

@@ -222,6 +222,52 @@ class TransformerLM(nn.Module):
         h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
         return self.output.log_probs(h_last), new_state
 
+    def score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """Score a prefix trie in one pass ("tree attention"): every node attends to
+        itself and its ancestors only, which is exact here because the model has no
+        positional encoding.
+
+        tokens: (B, N) the nodes of each row's trie, parents before children.
+        parents: (B, N) index of each node's parent in the same row, -1 for nodes
+        that follow `<s>` directly. lengths: optional (B,) number of real nodes.
+        Returns (B, N) natural-log p(node token | <s>, ancestors); 0 at padding.
+        """
+        if tokens.shape != parents.shape or tokens.dim() != 2:
+            raise ValueError(f"tokens and parents must both be (B, N), got {tuple(tokens.shape)}, "
+                             f"{tuple(parents.shape)}")
+        B, N = tokens.shape
+        dev = tokens.device
+        if lengths is None:
+            lengths = torch.full((B,), N, dtype=torch.long, device=dev)
+        real = length_mask(lengths, N)  # (B, N)
+        tokens = tokens.masked_fill(~real, 0)
+        par = torch.where(real, parents, -1) + 1  # (B, N) parent position in the input; 0 = <s>
+        if bool((par > torch.arange(1, N + 1, device=dev)[None]).any()):
+            raise ValueError("every parent must come before its child in the row")
+        inputs = torch.cat([torch.full((B, 1), BOS_ID, dtype=torch.long, device=dev), tokens], 1)  # (B, N+1)
+        # ancestor-or-self mask, built by walking every node up to <s> (depth steps)
+        up = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), par], 1)  # (B, N+1) parent of each position
+        mask = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)
+        cur = torch.arange(N + 1, device=dev).expand(B, N + 1).clone()  # (B, N+1)
+        for _ in range(N + 1):
+            mask.scatter_(2, cur[:, :, None], True)
+            if not bool(cur.any()):
+                break
+            cur = up.gather(1, cur)
+        x = self.embed(inputs)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+        x = self.drop(x)  # (B, N+1, d)
+        attn_mask = mask[:, None]  # (B, 1, N+1, N+1)
+        H, Dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
+        empty = torch.empty(B, H, 0, Dh, dtype=x.dtype, device=dev)
+        for layer in self.layers:
+            x, _, _ = layer(x, empty, None if self.cfg.shared_kv else empty, attn_mask, False)
+        h = self.norm(x)  # (B, N+1, d)
+        h_par = h.gather(1, par[:, :, None].expand(B, N, h.shape[2]))  # (B, N, d) output at each parent
+        logp = self.output.target_logprob(h_par.reshape(B * N, -1), tokens.reshape(B * N)).view(B, N)
+        return logp.masked_fill(~real, 0.0)
+
     # ---- internals -----------------------------------------------------------------
     def _run(self, tokens, state: TransformerState, lengths, include_last: bool):
         """Run the pending token and tokens[:, :-1] (plus tokens[:, -1] when

@@ -94,6 +94,7 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
     words_total = sum(len(s) for s in sents)
     stats.oov_rate = float(sum(c.n_oov.sum() for c in comps) / words_total) if words_total else 0.0
     if neural is not None:
+        before = (neural.tokens_total, neural.tokens_computed)
         chunk = 64  # utterances per progress update; the scorer batches within
         for i in tqdm(range(0, len(utts), chunk), disable=not progress, desc="neural LM", unit="chunk"):
             part = utts[i : i + chunk]
@@ -101,7 +102,8 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
             for c, t in zip(comps[i : i + chunk], tok):
                 c.neural_tok = t
                 c.neural = np.array([x.sum() for x in t])
-        stats.tokens_total, stats.tokens_computed = neural.tokens_total, neural.tokens_computed
+        stats.tokens_total = neural.tokens_total - before[0]
+        stats.tokens_computed = neural.tokens_computed - before[1]
     if ngram is not None:
         for u, c in zip(utts, comps):
             c.ngram_tok = [ngram.token_logprobs(h.words) for h in u.hyps]
