@@ -13,7 +13,9 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/bench_forward.py
+	$(BIN)/python benchmarks/bench_nbest.py
 
 clean:
 	rm -rf .build runs/demo

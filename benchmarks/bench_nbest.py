@@ -69,7 +69,8 @@ def gpt2_score(model, seqs, batch_tokens: int, device) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nbest", nargs="+", default=[str(DEV / v / "nbest.tsv") for v in ("festival_slt", "festival_kal")])
+    ap.add_argument("--nbest", nargs="+",
+                    default=[str(DEV / v / "nbest.tsv") for v in ("festival_slt", "festival_kal")])
     ap.add_argument("--utts", type=int, default=40, help="utterances per file (CPU time)")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--vocab", type=int, default=20000)
