@@ -68,6 +68,8 @@ def train(
     lowercase: bool = typer.Option(False),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     resume: bool = typer.Option(False, help="Continue the run in --out from its last.pt."),
+    init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights, vocabulary and "
+                                             "config (a new run with a fresh optimizer and schedule)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
 ):
@@ -82,6 +84,7 @@ def train(
         max_minutes=max_minutes, stop_after=stop_after, batch_tokens=batch_tokens, max_len=max_len,
         clip=clip, valid_every=valid_every, patience=patience, seed=seed, min_count=min_count,
         max_vocab=max_vocab, lowercase=lowercase, device=device, resume=resume, progress=not quiet,
+        init_from=str(init_from) if init_from else None,
     )
     existed = out.exists()
     try:

@@ -57,6 +57,7 @@ class TrainConfig:
     lowercase: bool = False
     device: str = "auto"
     resume: bool = False
+    init_from: str | None = None  # start from this checkpoint's weights, vocabulary and config (continued training)
     progress: bool = True
 
 
@@ -108,9 +109,15 @@ def train(tc: TrainConfig) -> dict:
     # Read and check all input before anything is written.
     train_sents = read_sentences(tc.train, tc.lowercase)
     valid_sents = read_sentences(tc.valid, tc.lowercase)
-    if resume_obj is not None:
-        vocab = Vocabulary.from_dict(resume_obj["vocab"])
-        cfg = ModelConfig.from_dict(dict(resume_obj["config"]))
+    init_obj = None
+    if tc.init_from and resume_obj is None:
+        _, init_obj = read_checkpoint(tc.init_from)
+    if resume_obj is not None or init_obj is not None:
+        src = resume_obj if resume_obj is not None else init_obj
+        vocab = Vocabulary.from_dict(src["vocab"])
+        cfg = ModelConfig.from_dict(dict(src["config"]))
+        if init_obj is not None and tc.overrides:
+            cfg = cfg.replace(**tc.overrides)
     else:
         vocab = Vocabulary.build(train_sents, tc.min_count, tc.max_vocab, tc.lowercase)
         cfg = get_preset(tc.preset).replace(**tc.overrides, vocab_size=len(vocab))
@@ -138,6 +145,11 @@ def train(tc: TrainConfig) -> dict:
     sched = _Schedule(tc, total_steps)
 
     step, best, bad_evals, elapsed_before = 0, float("inf"), 0, 0.0
+    if init_obj is not None:
+        try:
+            model.load_state_dict(init_obj["model"])
+        except RuntimeError as e:
+            raise ConfigError(f"{tc.init_from}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
     if resume_obj is not None:
         model.load_state_dict(resume_obj["model"])
         opt.load_state_dict(resume_obj["optimizer"])

@@ -87,3 +87,11 @@ def test_early_stopping_after_patience_validations_without_improvement(small_cor
     # a zero learning rate never improves after the first validation
     s = train(tc(small_corpus, out, lr=0.0, max_steps=100, valid_every=3, patience=2))
     assert s["stop_reason"] == "early_stopping" and s["steps"] == 9
+
+
+def test_init_from_continues_from_a_checkpoint(small_corpus, tmp_path):
+    first = tmp_path / "first"
+    s1 = train(tc(small_corpus, first, max_steps=20))
+    second = tmp_path / "second"
+    s2 = train(tc(small_corpus, second, max_steps=1, lr=0.0, init_from=str(first / "model.pt")))
+    assert math.isclose(s2["best_valid_ppl"], s1["best_valid_ppl"], rel_tol=1e-6)  # same weights, no update
