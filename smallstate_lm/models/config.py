@@ -30,7 +30,7 @@ class ModelConfig:
     softmax: Literal["full", "adaptive"] = "full"
     adaptive_cutoffs: list[int] = field(default_factory=list)  # adaptive softmax cluster edges
     layer_norm_eps: float = 1e-5
-    bias: bool = True  # biases in attention and feed-forward projections
+    bias: bool = True  # biases in attention and feed-forward projections (every preset sets False)
 
     def __post_init__(self):
         self.validate(allow_unset_vocab=True)
@@ -98,10 +98,9 @@ PRESETS: dict[str, ModelConfig] = {
     "8L-3F-sharedkv": ModelConfig(n_layers=8, ff_per_layer=3, shared_kv=True, **_PAPER),
     "32L-1F": ModelConfig(n_layers=32, ff_per_layer=1, **_PAPER),
     # Mid-size for CPU training runs: 4 attention layers, 2 feed-forward sublayers each.
-    "small": ModelConfig(n_layers=4, ff_per_layer=2, d_model=256, n_heads=4, d_ff=1024, d_embed=128),
+    "small": ModelConfig(n_layers=4, ff_per_layer=2, d_model=256, n_heads=4, d_ff=1024, d_embed=128, bias=False),
     # For tests and the demo: trains in minutes on a laptop CPU.
-    "tiny": ModelConfig(n_layers=2, ff_per_layer=2, d_model=64, n_heads=4, d_ff=256, d_embed=64,
-                        dropout=0.1),
+    "tiny": ModelConfig(n_layers=2, ff_per_layer=2, d_model=64, n_heads=4, d_ff=256, d_embed=64, bias=False),
 }
 
 
