@@ -136,7 +136,8 @@ def main() -> None:
         f"- Machine: {machine()}",
         f"- Command: `{command()}`",
         f"- Input: {len(utts)} utterances ({args.utts} per file) of "
-        f"{', '.join(Path(p).parent.name for p in args.nbest)}; {sum(map(len, groups)):,} hypotheses; {total_tokens:,} tokens in total, {unique:,} unique prefixes "
+        f"{', '.join(Path(p).parent.name for p in args.nbest)}; {sum(map(len, groups)):,} hypotheses; "
+        f"{total_tokens:,} tokens in total, {unique:,} unique prefixes "
         f"(bound {bound:.2f}x).",
         "- Same weights for both of our paths (their log-prob sums agree to 1e-4); best of 2 alternating runs.",
         "",

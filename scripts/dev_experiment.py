@@ -9,7 +9,6 @@ first pass, n-gram, neural, neural + n-gram.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -77,7 +76,7 @@ def main() -> None:
         r = run_voice(Path(args.data) / voice, neural, ngram, args.am_scale)
         n = r["ref_words"]
 
-        def pct(k):
+        def pct(k, r=r, n=n):
             return 100 * r[k] / n
 
         rel = {k: 100 * (r["first pass"] - r[k]) / r["first pass"] for k in SYSTEMS}

@@ -149,7 +149,8 @@ def train(tc: TrainConfig) -> dict:
         try:
             model.load_state_dict(init_obj["model"])
         except RuntimeError as e:
-            raise ConfigError(f"{tc.init_from}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
+            first = str(e).splitlines()[0]
+            raise ConfigError(f"{tc.init_from}: weights do not fit the model config ({first})") from None
     if resume_obj is not None:
         model.load_state_dict(resume_obj["model"])
         opt.load_state_dict(resume_obj["optimizer"])
