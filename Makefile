@@ -16,6 +16,8 @@ bench: setup
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/bench_forward.py
 	$(BIN)/python benchmarks/bench_nbest.py
+	test -f runs/demo/lm/model.pt || $(BIN)/smallstate-lm demo
+	$(BIN)/python benchmarks/bench_lattice.py
 
 clean:
 	rm -rf .build runs/demo

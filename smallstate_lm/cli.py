@@ -124,33 +124,56 @@ def eval_(
                f"{r['state_bytes_per_position']:,} bytes")
 
 
+REPO_LATTICES = Path(__file__).resolve().parent.parent / "lattices"
+
+
 @app.command()
 def demo(
     train: Path = typer.Option(REPO_DATA / "train.txt", "--train"),
     valid: Path = typer.Option(REPO_DATA / "valid.txt", "--valid"),
+    lattices: Path = typer.Option(REPO_LATTICES, "--lattices", help="Directory of *.lat.fst, words.txt, ref.txt."),
     out: Path = typer.Option(Path("runs/demo"), "--out", "-o"),
-    minutes: float = typer.Option(3.0, help="Training time budget."),
+    minutes: float = typer.Option(3.0, help="Training time budget for the demo LM."),
+    retrain: bool = typer.Option(False, help="Ignore the cached LMs in --out."),
 ):
-    """Train the `tiny` preset on the bundled text for a few minutes and report it."""
+    """Train a tiny LM and a 4-gram on the bundled text (cached in --out), then rescore the
+    bundled lattices and print WER before and after."""
     import shutil
 
+    from .checkpoint import MODEL_FILE
     from .evaluate import evaluate_file
+    from .ngram import build_ngram
     from .train import TrainConfig
     from .train import train as run_train
 
-    if out.exists():
+    lm_dir, ngram_bin = out / "lm", out / "lm4.bin"
+    if retrain and out.exists():
         shutil.rmtree(out)
-    tc = TrainConfig(train=str(train), valid=str(valid), out=str(out), preset="tiny", max_minutes=minutes,
-                     batch_tokens=4096, valid_every=200, patience=0, warmup_steps=100, lr=3e-3)
-    s = run_train(tc)
-    r = evaluate_file(out, valid)
-    typer.echo("")
-    typer.echo(f"demo: tiny preset, {s['steps']} steps in {s['elapsed_seconds'] / 60:.1f} min, "
-               f"{r['parameters']:,} parameters")
-    typer.echo(f"demo: validation perplexity {r['perplexity']:.2f} ({r['tokens']:,} tokens incl. </s>, "
-               f"{100 * r['oov_rate']:.2f}% OOV words as <unk>)")
-    typer.echo(f"demo: state per position {r['state_numel_per_position']:,} numbers = "
-               f"{r['state_bytes_per_position']:,} bytes; model in {out}/model.pt")
+    if not (lm_dir / MODEL_FILE).exists():
+        if lm_dir.exists():
+            shutil.rmtree(lm_dir)
+        tc = TrainConfig(train=str(train), valid=str(valid), out=str(lm_dir), preset="tiny", max_minutes=minutes,
+                         batch_tokens=4096, valid_every=200, patience=0, warmup_steps=100, lr=3e-3)
+        run_train(tc)
+    else:
+        typer.echo(f"demo: using the cached LM in {lm_dir} (--retrain to train again)")
+    if not ngram_bin.exists():
+        build_ngram(train, 4, out / "lm4.arpa", ngram_bin)
+    r = evaluate_file(lm_dir, valid)
+    typer.echo(f"demo: tiny LM, {r['parameters']:,} parameters, validation perplexity {r['perplexity']:.2f}, "
+               f"state {r['state_numel_per_position']:,} numbers/position")
+    fsts = sorted(lattices.glob("*.fst"))
+    if not fsts:
+        raise ConfigError(f"{lattices}: no *.fst lattices to rescore")
+    weights_file = lattices / "weights.json"
+    argv = ["rescore", *map(str, fsts), "--words", str(lattices / "words.txt"), "--lm", str(lm_dir),
+            "--ngram", str(ngram_bin), "--refs", str(lattices / "ref.txt"), "-o", str(out / "rescored")]
+    if weights_file.exists():
+        argv += ["--weights", str(weights_file)]
+    typer.echo("demo: smallstate-lm " + " ".join(argv))
+    rescore_cmd = typer.main.get_command(app)
+    rescore_cmd.main(args=argv, standalone_mode=False)
+    typer.echo(f"demo: outputs in {out / 'rescored'} (best.txt, nbest.jsonl, wer.txt, lattices/)")
 
 
 ngram_app = typer.Typer(no_args_is_help=True, help="KenLM n-gram models: build and evaluate.")
@@ -236,19 +259,31 @@ def rescore(
     device: str = typer.Option("auto"),
     batch_tokens: int = typer.Option(8192),
     no_prefix_sharing: bool = typer.Option(False, help="Score each hypothesis as its own padded row."),
+    words: Optional[Path] = typer.Option(None, "--words", help="The decoder's words.txt (lattices)."),
+    max_ngram_order: int = typer.Option(4, help="Lattices: merge histories sharing their last n-1 words."),
+    exact: bool = typer.Option(False, help="Lattices: keep full histories (no merging)."),
+    beam: float = typer.Option(12.0, help="Lattices: pruning beam on forward + best-completion cost."),
+    max_per_state: int = typer.Option(64, help="Lattices: expanded states kept per lattice state."),
+    max_states: int = typer.Option(200_000, help="Lattices: expanded states per lattice before pruning harder."),
+    nbest: int = typer.Option(10, help="Lattices: distinct word sequences written to nbest.jsonl."),
     quiet: bool = typer.Option(False),
 ):
-    """Rescore n-best lists: writes best.txt, nbest.jsonl and (with --refs) wer.txt."""
+    """Rescore n-best lists (.tsv, .jsonl) or lattices (.fst, .slf[.gz]): writes best.txt,
+    nbest.jsonl, rescored lattices (lattices/) and, with --refs, wer.txt."""
     from .rescoring.nbest import read_nbest, read_text, write_nbest_jsonl, write_text
     from .rescoring.rescore import apply_weights, compute_components
     from .rescoring.wer import corpus_wer
 
-    for p in inputs:
-        if p.suffix in (".fst", ".slf", ".gz"):
-            raise ConfigError(f"{p}: lattice input is not supported yet; give n-best files (.tsv, .jsonl)")
+    kinds = {_is_lattice(p) for p in inputs}
+    if len(kinds) > 1:
+        raise ConfigError("give either n-best files or lattice files, not both")
     w = _weights(weights, set_)
-    utts = [u for p in inputs for u in read_nbest(p)]
     ref = read_text(refs) if refs else None
+    if kinds == {True}:
+        _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam,
+                          max_per_state, max_states, nbest, quiet)
+        return
+    utts = [u for p in inputs for u in read_nbest(p)]
     neural, ng = _scorers(lm, ngram, device, batch_tokens, not no_prefix_sharing)
     comps, stats = compute_components(utts, neural, ng, progress=not quiet)
     ranked = apply_weights(utts, comps, w)
@@ -269,6 +304,40 @@ def rescore(
         atomic_write_text(out / "wer.txt", "\n".join(lines) + "\n")
         summary += f"; WER {100 * total.wer:.2f}% (first pass {100 * first.wer:.2f}%)"
     typer.echo(summary)
+
+
+def _is_lattice(p: Path) -> bool:
+    return p.name.endswith(".fst") or ".slf" in p.name
+
+
+def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam, max_per_state,
+                      max_states, nbest, quiet):
+    from .rescoring.expand import ExpandConfig, LatticeRescorer
+    from .rescoring.lattice import SymbolTable
+    from .rescoring.run import rescore_lattice_files
+
+    if words is None:
+        if any(p.name.endswith(".fst") for p in inputs):
+            raise ConfigError("OpenFST lattices need the decoder's symbol table: --words words.txt")
+        symbols = None
+    else:
+        symbols = SymbolTable.read(words)
+    neural, ng = _scorers(lm, ngram, device, 8192)
+    cfg = ExpandConfig(max_ngram_order=None if exact else max_ngram_order, beam=beam, max_per_state=max_per_state,
+                       max_states=max_states)
+    rescorer = LatticeRescorer(w, neural.model if neural else None, neural.vocab if neural else None, ng, cfg,
+                               neural.device if neural else "cpu")
+    errors = []
+
+    def on_error(path, msg):
+        errors.append(msg)
+        typer.echo(f"error: {msg} (skipped)", err=True)
+
+    summary = rescore_lattice_files(inputs, symbols, rescorer, out, ref, nbest, progress=not quiet,
+                                    on_error=on_error)
+    typer.echo(summary.line())
+    if errors:
+        raise typer.Exit(code=2)
 
 
 @app.command()
