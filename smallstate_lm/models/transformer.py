@@ -67,6 +67,37 @@ class TransformerState(LMState):
         return cls(keys=keys, values=values, last=torch.cat([st.last for st in states]),
                    mask=None if bool(mask.all()) else mask)
 
+    @classmethod
+    def assemble(cls, pieces: list[tuple["TransformerState", torch.Tensor, torch.Tensor]],
+                 n_rows: int) -> "TransformerState":
+        """Row dst[i] of the result = row src[i] of that piece's state, for each
+        (state, src, dst) piece: one copy per layer, however many states the rows come
+        from (select + cat + reorder would copy every history three times)."""
+        first = pieces[0][0]
+        S = max(st.length for st, _, _ in pieces)
+        B, H, _, Dh = n_rows, first.keys[0].shape[1], first.keys[0].shape[2], first.keys[0].shape[3]
+        dev, dtype = first.last.device, first.keys[0].dtype
+
+        def build(get):
+            out = []
+            for i in range(len(first.keys)):
+                t = torch.zeros(B, H, S, Dh, dtype=dtype, device=dev)
+                for st, src, dst in pieces:
+                    t[dst, :, : st.length] = get(st)[i].index_select(0, src)
+                out.append(t)
+            return out
+
+        keys = build(lambda st: st.keys)
+        values = None if first.values is None else build(lambda st: st.values)
+        last = torch.empty(B, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, S, dtype=torch.bool, device=dev)
+        for st, src, dst in pieces:
+            last[dst] = st.last.index_select(0, src)
+            m = st.mask.index_select(0, src) if st.mask is not None else torch.ones(
+                len(src), st.length, dtype=torch.bool, device=dev)
+            mask[dst, : st.length] = m
+        return cls(keys=keys, values=values, last=last, mask=None if bool(mask.all()) else mask)
+
     def compact(self) -> "TransformerState":
         """Move each row's valid positions to the front and cut the common padding.
         Exact for this model: without positional encoding, attention over the cached

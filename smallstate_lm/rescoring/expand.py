@@ -37,12 +37,13 @@ class ExpandConfig:
     beam: float = 12.0  # cost units of the combined score, against the level's best estimate
     max_per_state: int = 64  # expanded states kept per lattice state
     max_states: int = 200_000  # per lattice; beyond it pruning tightens (and says so)
+    batch_lattices: int = 16  # lattices expanded together so one LM call serves all their frontiers
 
     def __post_init__(self):
         if self.max_ngram_order is not None and self.max_ngram_order < 1:
             raise ConfigError(f"max_ngram_order must be >= 1, got {self.max_ngram_order}")
-        if self.beam <= 0 or self.max_per_state < 1 or self.max_states < 1:
-            raise ConfigError("beam, max_per_state and max_states must be positive")
+        if self.beam <= 0 or self.max_per_state < 1 or self.max_states < 1 or self.batch_lattices < 1:
+            raise ConfigError("beam, max_per_state, max_states and batch_lattices must be positive")
 
 
 @dataclass
@@ -80,6 +81,7 @@ class ExpandedLattice:
     final_ng: np.ndarray
     symbols: SymbolTable
     stats: ExpandStats = field(default_factory=ExpandStats)
+    source: Lattice | None = None  # the prepared input lattice
 
     # ---- weights -> costs ------------------------------------------------------------
     def _lm_terms(self, w: Weights, nn, ng, is_word):
@@ -209,14 +211,182 @@ class _Node:
     lat: int
     key: tuple
     cost: float  # best forward cost (lower is better)
-    nn_ref: tuple | None  # (state object index, row)
+    nn_ref: tuple | None  # (state object id, row)
     ng_state: object | None
-    history: tuple  # word ids of the best path (for exact keys and OOV-free lookups)
+    history: tuple  # decoder word ids along the best path into this node
     idx: int = -1
 
 
+class _Expansion:
+    """One lattice's expansion, advanced one level at a time by the driver, which
+    merges the LM steps of many lattices into one batched call."""
+
+    def __init__(self, rescorer: "LatticeRescorer", lat: Lattice):
+        self.t0 = time.perf_counter()
+        self.r = rescorer
+        lat = lat.prepare()
+        self.lat = lat
+        w = rescorer.w
+        sym = lat.symbols
+        self.stats = ExpandStats(lattice_states=lat.num_states, lattice_arcs=len(lat.src))
+        self.is_word = np.array([sym.is_word(int(i)) for i in lat.word], dtype=bool)
+        self.words_str = {i: sym.word(i) for i in set(int(x) for x in lat.word[self.is_word])}
+        vocab, ngram = rescorer.vocab, rescorer.ngram
+        self.lm_ids = {i: vocab.encode([ws])[0] for i, ws in self.words_str.items()} if vocab is not None else {}
+        self.oov = {i: 1.0 if ((vocab is not None and ws not in vocab)
+                               or (vocab is None and ngram is not None and ws not in ngram)) else 0.0
+                    for i, ws in self.words_str.items()}
+        self.first_pass = w.am_scale * lat.acoustic + w.graph_scale * lat.graph
+        self.beta = _backward(lat, w)
+        self.out_arcs: list[list[int]] = [[] for _ in range(lat.num_states)]
+        for e in range(len(lat.src)):
+            self.out_arcs[lat.src[e]].append(e)
+        levels = _levels(lat)
+        by_level: dict[int, list[int]] = defaultdict(list)
+        for st in range(lat.num_states):
+            by_level[int(levels[st])].append(st)
+        self.levels = [by_level[k] for k in sorted(by_level)]
+        self.level = 0
+        self.nodes_at: dict[int, dict[tuple, _Node]] = defaultdict(dict)
+        self.all_nodes: list[_Node] = []
+        self.arcs: list[tuple] = []  # (src node, dst node, lattice arc, nn, ng, oov)
+        self.finals: list[tuple] = []  # (node, final acoustic, final graph, nn </s>, ng </s>)
+        self.per_state_cap, self.beam = rescorer.cfg.max_per_state, rescorer.cfg.beam
+        self.live: list[_Node] = []
+        self.steps: list[tuple[_Node, int]] = []
+        self.step_of: dict[tuple[int, int], int] = {}
+
+    def start(self, nn_ref) -> None:
+        ng = self.r.ngram.initial_state() if self.r.ngram is not None else None
+        self.nodes_at[self.lat.start][()] = _Node(lat=self.lat.start, key=(), cost=0.0, nn_ref=nn_ref, ng_state=ng,
+                                                  history=())
+
+    @property
+    def done(self) -> bool:
+        return self.level >= len(self.levels)
+
+    def prepare_level(self) -> list[tuple[tuple | None, int]]:
+        """Prune this level's nodes and list the LM steps it needs as (parent state ref,
+        LM token id; -1 for </s>). May return [] (a level of epsilon arcs only)."""
+        cfg = self.r.cfg
+        live: list[_Node] = []
+        for st in self.levels[self.level]:
+            live.extend(sorted(self.nodes_at.pop(st, {}).values(), key=lambda n: n.cost)[: self.per_state_cap])
+        if live:
+            best_est = min(n.cost + self.beta[n.lat] for n in live)
+            live = [n for n in live if n.cost + self.beta[n.lat] <= best_est + self.beam]
+        for n in live:
+            n.idx = len(self.all_nodes)
+            self.all_nodes.append(n)
+        if len(self.all_nodes) > cfg.max_states and not self.stats.pruned_harder:
+            self.stats.pruned_harder = True
+            self.per_state_cap = max(1, self.per_state_cap // 4)
+            self.beam /= 2
+        self.live = live
+        self.steps, self.step_of = [], {}
+        for n in live:
+            for e in self.out_arcs[n.lat]:
+                if self.is_word[e]:
+                    k = (n.idx, int(self.lat.word[e]))
+                    if k not in self.step_of:
+                        self.step_of[k] = len(self.steps)
+                        self.steps.append((n, int(self.lat.word[e])))
+            if np.isfinite(self.lat.final_graph[n.lat]):
+                self.step_of[(n.idx, -1)] = len(self.steps)
+                self.steps.append((n, -1))
+        if self.r.model is None:
+            return []
+        return [(n.nn_ref, EOS_ID if wd < 0 else self.lm_ids[wd]) for n, wd in self.steps]
+
+    def finish_level(self, nn_lp: np.ndarray | None, new_obj: int | None, row0: int) -> None:
+        """Take this level's neural log-probs (rows row0.. of the shared call, whose
+        output state is object `new_obj`), add the n-gram, and propagate."""
+        w, lat, ngram = self.r.w, self.lat, self.r.ngram
+        n_steps = len(self.steps)
+        nn = nn_lp if nn_lp is not None else np.zeros(n_steps)
+        ng = np.zeros(n_steps)
+        ng_next: list[object] = [None] * n_steps
+        if ngram is not None:
+            for i, (n, wd) in enumerate(self.steps):
+                if wd < 0:
+                    ng[i] = ngram.score_eos(n.ng_state)
+                else:
+                    ng[i], ng_next[i] = ngram.score_word(n.ng_state, self.words_str[wd])
+        if w.interpolation == "linear":
+            a, b = _log_mix_weights(w.lam)
+            lm = w.lm_weight * np.logaddexp(a + nn, b + ng)
+        else:
+            lm = w.lm_weight * nn + w.ngram_weight * ng
+        for n in self.live:
+            if np.isfinite(lat.final_graph[n.lat]):
+                i = self.step_of[(n.idx, -1)]
+                self.finals.append((n, lat.final_acoustic[n.lat], lat.final_graph[n.lat], nn[i], ng[i]))
+            for e in self.out_arcs[n.lat]:
+                t = int(lat.dst[e])
+                if self.is_word[e]:
+                    wd = int(lat.word[e])
+                    i = self.step_of[(n.idx, wd)]
+                    oov = self.oov[wd]
+                    c = n.cost + self.first_pass[e] - lm[i] - w.word_penalty - w.oov_penalty * oov
+                    hist = n.history + (wd,)
+                    nn_ref = (new_obj, row0 + i) if new_obj is not None else None
+                    ng_state = ng_next[i]
+                    rec = (n, e, nn[i], ng[i], oov)
+                else:
+                    c = n.cost + self.first_pass[e]
+                    hist, nn_ref, ng_state = n.history, n.nn_ref, n.ng_state
+                    rec = (n, e, 0.0, 0.0, 0.0)
+                key = self.r._key(hist)
+                succ = self.nodes_at[t].get(key)
+                if succ is None:
+                    succ = _Node(lat=t, key=key, cost=c, nn_ref=nn_ref, ng_state=ng_state, history=hist)
+                    self.nodes_at[t][key] = succ
+                elif c < succ.cost:
+                    succ.cost, succ.nn_ref, succ.ng_state, succ.history = c, nn_ref, ng_state, hist
+                self.arcs.append((rec[0], succ, rec[1], rec[2], rec[3], rec[4]))
+        self.live, self.steps, self.step_of = [], [], {}
+        self.level += 1
+
+    def state_refs(self) -> set[int]:
+        return {nd.nn_ref[0] for d in self.nodes_at.values() for nd in d.values() if nd.nn_ref is not None}
+
+    def result(self) -> ExpandedLattice:
+        lat = self.lat
+        if not self.finals:
+            raise ConfigError(f"lattice {lat.name}: every path was pruned; widen --beam")
+        arcs = [a for a in self.arcs if a[1].idx >= 0]  # drop arcs into pruned nodes
+        st = self.stats
+        st.expanded_states, st.expanded_arcs = len(self.all_nodes), len(arcs)
+        st.seconds = time.perf_counter() - self.t0
+        E = len(arcs)
+        lat_arc = np.array([a[2] for a in arcs], dtype=np.int64).reshape(E)
+
+        def col(k):
+            return np.array([a[k] for a in arcs], dtype=np.float64).reshape(E)
+
+        fin = self.finals
+        return ExpandedLattice(
+            name=lat.name,
+            node_lat=np.array([n.lat for n in self.all_nodes], dtype=np.int64),
+            src=np.array([a[0].idx for a in arcs], dtype=np.int64).reshape(E),
+            dst=np.array([a[1].idx for a in arcs], dtype=np.int64).reshape(E),
+            word=lat.word[lat_arc].astype(np.int64), acoustic=lat.acoustic[lat_arc], graph=lat.graph[lat_arc],
+            nn=col(3), ng=col(4), is_word=self.is_word[lat_arc].astype(np.float64), oov=col(5),
+            final_node=np.array([f[0].idx for f in fin], dtype=np.int64),
+            final_acoustic=np.array([f[1] for f in fin], dtype=np.float64),
+            final_graph=np.array([f[2] for f in fin], dtype=np.float64),
+            final_nn=np.array([f[3] for f in fin], dtype=np.float64),
+            final_ng=np.array([f[4] for f in fin], dtype=np.float64),
+            symbols=lat.symbols, stats=st, source=lat)
+
+
 class LatticeRescorer:
-    """Expands lattices with a neural LM and/or an n-gram under given weights."""
+    """Expands lattices with a neural LM and/or an n-gram under given weights.
+
+    `expand_many` advances up to `cfg.batch_lattices` lattices together, level by
+    level, so each LM call carries the steps of all of them: one lattice level alone
+    holds too few steps to keep a CPU's caches or a GPU busy.
+    """
 
     def __init__(self, weights: Weights, model=None, vocab: Vocabulary | None = None, ngram: NgramLM | None = None,
                  config: ExpandConfig | None = None, device: str | torch.device = "cpu"):
@@ -227,6 +397,7 @@ class LatticeRescorer:
         self.w, self.model, self.vocab, self.ngram = weights, model, vocab, ngram
         self.cfg = config or ExpandConfig()
         self.device = torch.device(device)
+        self.lm_calls = 0
 
     def _key(self, history: tuple) -> tuple:
         n = self.cfg.max_ngram_order
@@ -234,184 +405,93 @@ class LatticeRescorer:
             return history
         return history[len(history) - (n - 1):] if n > 1 else ()
 
-    @torch.no_grad()
     def expand(self, lat: Lattice) -> ExpandedLattice:
-        t0 = time.perf_counter()
-        lat = lat.prepare()
-        w, cfg = self.w, self.cfg
-        sym = lat.symbols
-        stats = ExpandStats(lattice_states=lat.num_states, lattice_arcs=len(lat.src))
-        is_word_sym = np.array([sym.is_word(int(i)) for i in lat.word], dtype=bool)
-        lm_ids = {}
-        words_str = {}
-        for i in set(int(x) for x in lat.word[is_word_sym]):
-            words_str[i] = sym.word(i)
-            if self.vocab is not None:
-                lm_ids[i] = self.vocab.encode([words_str[i]])[0]
-        oov_of = {i: (self.vocab is not None and words_str[i] not in self.vocab)
-                  or (self.vocab is None and self.ngram is not None and words_str[i] not in self.ngram)
-                  for i in words_str}
-        am_cost = w.am_scale * lat.acoustic + w.graph_scale * lat.graph
-        levels = _levels(lat)
-        beta = _backward(lat, w)
-        out_arcs: list[list[int]] = [[] for _ in range(lat.num_states)]
-        for e in range(len(lat.src)):
-            out_arcs[lat.src[e]].append(e)
-        by_level: dict[int, list[int]] = defaultdict(list)
-        for s in range(lat.num_states):
-            by_level[int(levels[s])].append(s)
+        return next(iter(self.expand_many([lat])))[1]
 
-        state_objs: dict[int, object] = {}
+    @torch.no_grad()
+    def expand_many(self, lats, on_error=None):
+        """Yield (index, ExpandedLattice) as lattices finish (not in input order).
+        `lats` may be an iterable of Lattice or of callables returning one; a
+        SmallstateError from preparing one is passed to `on_error(index, error)`
+        (raised when no handler is given) and that lattice is skipped."""
+        from ..errors import SmallstateError
+
+        objs: dict[int, object] = {}
+        next_obj = 0
         if self.model is not None:
-            state_objs[0] = self.model.initial_state(1, self.device)
-        next_obj = 1
-        start = _Node(lat=lat.start, key=(), cost=0.0, nn_ref=(0, 0) if self.model is not None else None,
-                      ng_state=self.ngram.initial_state() if self.ngram is not None else None, history=())
-        nodes_at: dict[int, dict[tuple, _Node]] = defaultdict(dict)
-        nodes_at[lat.start][()] = start
-        all_nodes: list[_Node] = []
-        arcs: list[tuple] = []  # (src node, dst node, lattice arc, nn, ng, oov)
-        finals: list[tuple] = []  # (node, final acoustic, final graph, nn eos, ng eos)
-        per_state_cap, beam = cfg.max_per_state, cfg.beam
-
-        def lm_cost(nn, ng, oov):
-            if w.interpolation == "linear":
-                a, b = _log_mix_weights(w.lam)
-                return -(w.lm_weight * np.logaddexp(a + nn, b + ng)) - w.word_penalty - w.oov_penalty * oov
-            return -(w.lm_weight * nn + w.ngram_weight * ng) - w.word_penalty - w.oov_penalty * oov
-
-        for level in sorted(by_level):
-            states = by_level[level]
-            live: list[_Node] = []
-            for s in states:
-                cand = sorted(nodes_at.pop(s, {}).values(), key=lambda n: n.cost)[:per_state_cap]
-                live.extend(cand)
-            if not live:
-                continue
-            best_est = min(n.cost + beta[n.lat] for n in live)
-            live = [n for n in live if n.cost + beta[n.lat] <= best_est + beam]
-            for n in live:
-                n.idx = len(all_nodes)
-                all_nodes.append(n)
-            if len(all_nodes) > cfg.max_states and not stats.pruned_harder:
-                stats.pruned_harder = True
-                per_state_cap = max(1, per_state_cap // 4)
-                beam = beam / 2
-            # the LM steps this level needs: (node, word) pairs, plus </s> at final states
-            steps: dict[tuple[int, int], int] = {}
-            step_list: list[tuple[_Node, int]] = []
-            for n in live:
-                for e in out_arcs[n.lat]:
-                    if is_word_sym[e]:
-                        k = (n.idx, int(lat.word[e]))
-                        if k not in steps:
-                            steps[k] = len(step_list)
-                            step_list.append((n, int(lat.word[e])))
-                if np.isfinite(lat.final_graph[n.lat]):
-                    k = (n.idx, -1)
-                    steps[k] = len(step_list)
-                    step_list.append((n, -1))
-            nn_lp = np.zeros(len(step_list))
-            ng_lp = np.zeros(len(step_list))
-            ng_next: list[object] = [None] * len(step_list)
-            new_obj = None
-            if step_list and self.model is not None:
-                tokens = torch.tensor([[EOS_ID if wd < 0 else lm_ids[wd]] for _, wd in step_list],
-                                      dtype=torch.long, device=self.device)
-                parent = self._gather([n.nn_ref for n, _ in step_list], state_objs)
-                lp, new_state = self.model.score(tokens, parent)
-                nn_lp = lp[:, 0].double().cpu().numpy()
-                stats.lm_calls += 1
-                stats.lm_rows += len(step_list)
-                new_obj = next_obj
-                next_obj += 1
-                state_objs[new_obj] = new_state
-            if step_list and self.ngram is not None:
-                for i, (n, wd) in enumerate(step_list):
-                    if wd < 0:
-                        ng_lp[i] = self.ngram.score_eos(n.ng_state)
-                    else:
-                        ng_lp[i], ng_next[i] = self.ngram.score_word(n.ng_state, words_str[wd])
-            live_bytes = sum(st.nbytes for st in state_objs.values())
-            stats.peak_state_bytes = max(stats.peak_state_bytes, live_bytes)
-            # propagate
-            for n in live:
-                if np.isfinite(lat.final_graph[n.lat]):
-                    i = steps[(n.idx, -1)]
-                    finals.append((n, lat.final_acoustic[n.lat], lat.final_graph[n.lat], nn_lp[i], ng_lp[i]))
-                for e in out_arcs[n.lat]:
-                    t = int(lat.dst[e])
-                    if is_word_sym[e]:
-                        wd = int(lat.word[e])
-                        i = steps[(n.idx, wd)]
-                        oov = 1.0 if oov_of[wd] else 0.0
-                        c = n.cost + am_cost[e] + lm_cost(nn_lp[i], ng_lp[i], oov)
-                        hist = n.history + (wd,)
-                        nn_ref = (new_obj, i) if new_obj is not None else None
-                        ng_state = ng_next[i]
-                        rec = (n, e, nn_lp[i], ng_lp[i], oov)
-                    else:
-                        c = n.cost + am_cost[e]
-                        hist, nn_ref, ng_state = n.history, n.nn_ref, n.ng_state
-                        rec = (n, e, 0.0, 0.0, 0.0)
-                    key = self._key(hist)
-                    succ = nodes_at[t].get(key)
-                    if succ is None:
-                        succ = _Node(lat=t, key=key, cost=c, nn_ref=nn_ref, ng_state=ng_state, history=hist)
-                        nodes_at[t][key] = succ
-                    elif c < succ.cost:
-                        succ.cost, succ.nn_ref, succ.ng_state, succ.history = c, nn_ref, ng_state, hist
-                    arcs.append((rec[0], succ, rec[1], rec[2], rec[3], rec[4]))
-            # state objects no live node refers to any more can go
+            objs[0] = self.model.initial_state(1, self.device)
+            next_obj = 1
+        source = iter(enumerate(lats))
+        active: list[tuple[int, _Expansion]] = []
+        exhausted = False
+        while True:
+            while not exhausted and len(active) < self.cfg.batch_lattices:
+                try:
+                    i, item = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                try:
+                    x = _Expansion(self, item() if callable(item) else item)
+                except SmallstateError as e:
+                    if on_error is None:
+                        raise
+                    on_error(i, e)
+                    continue
+                x.start((0, 0) if self.model is not None else None)
+                active.append((i, x))
+            if not active:
+                return
+            requests = [(i, x, x.prepare_level()) for i, x in active]
+            total = sum(len(r) for _, _, r in requests)
+            lp, new_obj = None, None
+            if total:
+                refs = [ref for _, _, r in requests for ref, _ in r]
+                tokens = torch.tensor([[tok] for _, _, r in requests for _, tok in r], dtype=torch.long,
+                                      device=self.device)
+                logp, new_state = self.model.score(tokens, self._gather(refs, objs))
+                lp = logp[:, 0].double().cpu().numpy()
+                new_obj, next_obj = next_obj, next_obj + 1
+                objs[new_obj] = new_state.compact()
+                self.lm_calls += 1
+            live_bytes = sum(o.nbytes for o in objs.values())
+            row0 = 0
+            still = []
+            for i, x, r in requests:
+                n = len(r)
+                if n:
+                    x.stats.lm_calls += 1
+                    x.stats.lm_rows += n
+                x.stats.peak_state_bytes = max(x.stats.peak_state_bytes, live_bytes)
+                x.finish_level(lp[row0: row0 + n] if n else None, new_obj if n else None, row0)
+                row0 += n
+                if x.done:
+                    try:
+                        yield i, x.result()
+                    except SmallstateError as e:
+                        if on_error is None:
+                            raise
+                        on_error(i, e)
+                else:
+                    still.append((i, x))
+            active = still
             if self.model is not None:
-                refs = {nd.nn_ref[0] for d in nodes_at.values() for nd in d.values()}
-                for k in list(state_objs):
-                    if k not in refs:
-                        del state_objs[k]
-
-        if not finals:
-            raise ConfigError(f"lattice {lat.name}: every path was pruned; widen --beam")
-        # keep arcs whose destination was expanded
-        arcs = [a for a in arcs if a[1].idx >= 0]
-        stats.expanded_states = len(all_nodes)
-        stats.expanded_arcs = len(arcs)
-        stats.seconds = time.perf_counter() - t0
-        E = len(arcs)
-        lat_arc = np.array([a[2] for a in arcs], dtype=np.int64).reshape(E)
-        is_word = is_word_sym[lat_arc].astype(np.float64) if E else np.zeros(0)
-        return ExpandedLattice(
-            name=lat.name,
-            node_lat=np.array([n.lat for n in all_nodes], dtype=np.int64),
-            src=np.array([a[0].idx for a in arcs], dtype=np.int64).reshape(E),
-            dst=np.array([a[1].idx for a in arcs], dtype=np.int64).reshape(E),
-            word=lat.word[lat_arc].astype(np.int64) if E else np.zeros(0, dtype=np.int64),
-            acoustic=lat.acoustic[lat_arc] if E else np.zeros(0),
-            graph=lat.graph[lat_arc] if E else np.zeros(0),
-            nn=np.array([a[3] for a in arcs], dtype=np.float64).reshape(E),
-            ng=np.array([a[4] for a in arcs], dtype=np.float64).reshape(E),
-            is_word=is_word,
-            oov=np.array([a[5] for a in arcs], dtype=np.float64).reshape(E),
-            final_node=np.array([f[0].idx for f in finals], dtype=np.int64),
-            final_acoustic=np.array([f[1] for f in finals], dtype=np.float64),
-            final_graph=np.array([f[2] for f in finals], dtype=np.float64),
-            final_nn=np.array([f[3] for f in finals], dtype=np.float64),
-            final_ng=np.array([f[4] for f in finals], dtype=np.float64),
-            symbols=sym, stats=stats)
+                refs_live = {0} | {o for _, x in active for o in x.state_refs()}
+                for k in list(objs):
+                    if k not in refs_live:
+                        del objs[k]
 
     def _gather(self, refs: list[tuple], objs: dict[int, object]):
         """One state with row i = refs[i] = (object, row), across state objects."""
-        by_obj: dict[int, list[int]] = defaultdict(list)
-        pos: dict[int, list[int]] = defaultdict(list)
+        src: dict[int, list[int]] = defaultdict(list)
+        dst: dict[int, list[int]] = defaultdict(list)
         for i, (o, r) in enumerate(refs):
-            by_obj[o].append(r)
-            pos[o].append(i)
-        parts, order = [], []
-        for o, rows in by_obj.items():
-            parts.append(objs[o].select(torch.as_tensor(rows, device=self.device)))
-            order.extend(pos[o])
-        st = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
-        inv = torch.empty(len(order), dtype=torch.long, device=self.device)
-        inv[torch.as_tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
-        if order != sorted(order):
-            st = st.select(inv)
-        return st.compact()
+            src[o].append(r)
+            dst[o].append(i)
+        if len(src) == 1:
+            (o, rows), = src.items()
+            if rows == list(range(objs[o].batch_size)):
+                return objs[o]
+        pieces = [(objs[o], torch.as_tensor(src[o], device=self.device), torch.as_tensor(dst[o], device=self.device))
+                  for o in src]
+        return type(pieces[0][0]).assemble(pieces, len(refs)).compact()

@@ -78,33 +78,42 @@ def rescore_lattice_files(paths: Sequence[Path], symbols: SymbolTable, rescorer:
     if write_lattices:
         (out / "lattices").mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    for path in tqdm(paths, disable=not progress, desc="lattices", unit="lat"):
-        path = Path(path)
-        try:
-            lat = read_lattice(path, symbols)
-            exp = rescorer.expand(lat)
-        except SmallstateError as e:
-            summary.failed.append(str(path))
-            if on_error:
-                on_error(path, str(e))
-            continue
+    paths = [Path(p) for p in paths]
+
+    def loader(path: Path):
+        return lambda: read_lattice(path, symbols)
+
+    def failed(i: int, err: Exception) -> None:
+        summary.failed.append(str(paths[i]))
+        if on_error:
+            on_error(paths[i], str(err))
+
+    bar = tqdm(total=len(paths), disable=not progress, desc="lattices", unit="lat")
+    calls_before = rescorer.lm_calls
+    for _, exp in rescorer.expand_many([loader(p) for p in paths], on_error=failed):
+        bar.update(1)
         st: ExpandStats = exp.stats
         summary.lattices += 1
         summary.arcs += st.lattice_arcs
         summary.expanded_states += st.expanded_states
-        summary.lm_calls += st.lm_calls
         summary.peak_state_bytes = max(summary.peak_state_bytes, st.peak_state_bytes)
         if st.pruned_harder:
-            summary.pruned_harder.append(lat.name)
+            summary.pruned_harder.append(exp.name)
         hyps = exp.nbest(rescorer.w, nbest)
-        best[lat.name] = hyps[0]["words"]
-        first[lat.name] = lat.best_path(base.am_scale, base.graph_scale)[0]
-        nbest_utts.append(Utterance(lat.name, [
+        best[exp.name] = hyps[0]["words"]
+        first[exp.name] = exp.source.best_path(base.am_scale, base.graph_scale)[0]
+        nbest_utts.append(Utterance(exp.name, [
             Hypothesis(words=h["words"], am=h["am"], graph=h["graph"], id=str(r),
                        scores={k: v for k, v in h.items() if k != "words"} | {"rank": r})
             for r, h in enumerate(hyps)]))
         if write_lattices:
-            write_fst(out / "lattices" / f"{lat.name}.lat.fst", exp.to_lattice(rescorer.w))
+            write_fst(out / "lattices" / f"{exp.name}.lat.fst", exp.to_lattice(rescorer.w))
+    bar.update(len(summary.failed))
+    bar.close()
+    summary.lm_calls = rescorer.lm_calls - calls_before
+    order = {lattice_name(p): k for k, p in enumerate(paths)}
+    best = dict(sorted(best.items(), key=lambda kv: order.get(kv[0], 0)))
+    nbest_utts.sort(key=lambda u: order.get(u.utt, 0))
     write_text(out / "best.txt", best)
     if nbest_utts:
         write_nbest_jsonl(out / "nbest.jsonl", nbest_utts)
