@@ -342,7 +342,11 @@ def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_
 
 @app.command()
 def tune(
-    nbest: List[Path] = typer.Option(..., "--nbest", help="Dev n-best file(s)."),
+    inputs: Optional[List[Path]] = typer.Argument(None, help="Dev lattices (.fst, .slf[.gz]) or n-best files."),
+    nbest: List[Path] = typer.Option([], "--nbest", help="Dev n-best file (repeatable)."),
+    words: Optional[Path] = typer.Option(None, "--words", help="The decoder's words.txt (OpenFST lattices)."),
+    max_ngram_order: int = typer.Option(4, help="Lattices: history merging order."),
+    exact: bool = typer.Option(False, help="Lattices: exact histories."),
     refs: Path = typer.Option(..., "--refs", help="Dev references `utt w1 w2 ...`."),
     lm: Optional[Path] = typer.Option(None, "--lm"),
     ngram: Optional[Path] = typer.Option(None, "--ngram"),
@@ -373,6 +377,14 @@ def tune(
         keys = [k for k in keys if k != "ngram_weight"]
         base = dataclasses.replace(base, ngram_weight=0.0)
     grid = {k: DEFAULT_GRID.get(k, [round(x * 0.1, 3) for x in range(0, 21)]) for k in keys}
+    inputs = list(inputs or [])
+    lattices = [p for p in inputs if _is_lattice(p)]
+    nbest = list(nbest) + [p for p in inputs if not _is_lattice(p)]
+    if bool(nbest) == bool(lattices):
+        raise ConfigError("give dev n-best lists or dev lattices to tune on, one of the two")
+    if lattices:
+        _tune_lattices(lattices, words, refs, lm, ngram, base, grid, out, device, exact, max_ngram_order, quiet)
+        return
     utts = [u for p in nbest for u in read_nbest(p)]
     ref = read_text(refs)
     neural, ng = _scorers(lm, ngram, device, batch_tokens)
@@ -387,6 +399,35 @@ def tune(
     typer.echo(f"weights -> {out}: " + json.dumps(dataclasses.asdict(r.weights)))
     if plot is not None:
         typer.echo(f"plot -> {plot}" if plot_surface(r, str(plot)) else "no plot: matplotlib is not installed")
+
+
+def _tune_lattices(lattices, words, refs, lm, ngram, base, grid, out, device, exact, max_ngram_order, quiet):
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from .rescoring.expand import ExpandConfig, LatticeRescorer
+    from .rescoring.lattice import SymbolTable
+    from .rescoring.nbest import read_text
+    from .rescoring.run import read_lattice
+    from .rescoring.tune import surface_text, tune_lattices
+
+    if words is None and any(p.name.endswith(".fst") for p in lattices):
+        raise ConfigError("OpenFST lattices need the decoder's symbol table: --words words.txt")
+    symbols = SymbolTable.read(words) if words else None
+    neural, ng = _scorers(lm, ngram, device, 8192)
+    rescorer = LatticeRescorer(base, neural.model if neural else None, neural.vocab if neural else None, ng,
+                               ExpandConfig(max_ngram_order=None if exact else max_ngram_order),
+                               neural.device if neural else "cpu")
+    lats = [read_lattice(p, symbols) for p in lattices]
+    expanded = [e for _, e in tqdm(rescorer.expand_many(lats), total=len(lats), disable=quiet, desc="expand")]
+    r = tune_lattices(expanded, read_text(refs), base, grid)
+    typer.echo(surface_text(r))
+    typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
+               f"({len(lats)} lattices, {r.ref_words} reference words)")
+    r.weights.save(out, {"dev_wer": r.wer, "dev_utterances": len(lats),
+                         "dev_first_pass_wer": r.baseline_errors / r.ref_words})
+    typer.echo(f"weights -> {out}: " + json.dumps(dataclasses.asdict(r.weights)))
 
 
 @app.command()

@@ -189,7 +189,9 @@ def train(tc: TrainConfig) -> dict:
              "train_sentences": len(train_sents), "vocab_size": len(vocab), "batches_per_epoch": len(batcher)})
     t_start = time.perf_counter()
     elapsed = elapsed_before
-    bar = tqdm(total=max_steps, initial=step, disable=not tc.progress, unit="step", dynamic_ncols=True)
+    # With only a time budget the step count is unknown: the bar then just counts.
+    bar = tqdm(total=None if total_steps is None else max_steps, initial=step, disable=not tc.progress, unit="step",
+               dynamic_ncols=True)
     tok_window, t_window = 0, time.perf_counter()
     stop_reason = "max_steps"
     model.train()

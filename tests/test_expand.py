@@ -196,3 +196,24 @@ def test_slf_and_fst_versions_rescore_alike(tiny_lm_dir, bigram):
         a = LatticeRescorer(w, lm.model, lm.vocab, bigram).expand(read_fst(fst, sym)).nbest(w, 1)[0]
         b = LatticeRescorer(w, lm.model, lm.vocab, bigram).expand(read_slf(slf, sym)).nbest(w, 1)[0]
         assert a["words"] == b["words"] and math.isclose(a["total"], b["total"], abs_tol=1e-3)
+
+
+def test_tune_on_lattices_then_rescore_reproduces_its_wer(tmp_path, kenlm_model):
+    import json
+    import re
+
+    lats = _dev_lattices()
+    refs = LAT_DIR / "ref.txt"
+    weights = tmp_path / "w.json"
+    proc = run_cli("tune", *lats, "--words", LAT_DIR / "words.txt", "--refs", refs, "--ngram",
+                   kenlm_model, "--set", "am_scale=0.105", "--search", "ngram_weight,word_penalty", "-o", weights,
+                   "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    tuned = json.loads(weights.read_text())
+    assert tuned["dev_wer"] <= tuned["dev_first_pass_wer"]
+    out = tmp_path / "out"
+    proc = run_cli("rescore", *lats, "--words", LAT_DIR / "words.txt", "--ngram", kenlm_model, "--weights", weights,
+                   "--refs", refs, "-o", out, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    wer = float(re.search(r"%WER ([\d.]+)", (out / "wer.txt").read_text()).group(1))
+    assert abs(wer - 100 * tuned["dev_wer"]) < 0.01

@@ -102,6 +102,29 @@ class ExpandedLattice:
                  + self._lm_terms(w, self.final_nn, self.final_ng, ones))
 
     # ---- search ----------------------------------------------------------------------
+    def best_words(self, w: Weights) -> list[str]:
+        """The best word sequence under `w` (Viterbi; cheaper than nbest(w, 1))."""
+        cost = self.arc_costs(w)
+        N = len(self.node_lat)
+        dist = np.full(N, np.inf)
+        back = np.full(N, -1, dtype=np.int64)
+        dist[0] = 0.0
+        order = np.argsort(self.src, kind="stable")
+        src, dst, c = self.src[order], self.dst[order], cost[order]
+        for k in range(len(order)):  # nodes are topologically numbered, arcs sorted by source
+            d = dist[src[k]] + c[k]
+            if d < dist[dst[k]]:
+                dist[dst[k]], back[dst[k]] = d, order[k]
+        fin = dist[self.final_node] + self.final_costs(w)
+        node = int(self.final_node[int(np.argmin(fin))])
+        words = []
+        while back[node] >= 0:
+            e = back[node]
+            if self.is_word[e] > 0:
+                words.append(self.symbols.word(int(self.word[e])))
+            node = int(self.src[e])
+        return words[::-1]
+
     def nbest(self, w: Weights, n: int = 1) -> list[dict]:
         """The n best distinct word sequences under `w`, best first, each with its
         components (natural log) and total (higher is better)."""
