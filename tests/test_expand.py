@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import TEST_DATA, run_cli
+
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.ngram import NgramLM, build_ngram
 from smallstate_lm.rescoring.expand import ExpandConfig, LatticeRescorer
@@ -38,7 +38,7 @@ def sausage_text(sym: SymbolTable) -> str:
         f"0 1 {i('the')} {i('the')} 1,10",
         f"1 2 {i('lord')} {i('lord')} 1,10",
         f"1 2 {i('man')} {i('man')} 0.5,9",
-        f"2 3 0 0 0,1",
+        "2 3 0 0 0,1",
         f"3 4 {i('<sil>')} {i('<sil>')} 0,2",
         f"4 5 {i('said')} {i('said')} 1,10",
         f"4 5 {i('spoke')} {i('spoke')} 0.2,10",
@@ -126,7 +126,7 @@ def test_reweighting_an_exact_expansion_needs_no_lm(tiny_lm_dir, bigram):
 def test_words_absent_from_the_lm_are_unk_and_counted(tiny_lm_dir):
     lm = load_model(tiny_lm_dir)
     sym = SymbolTable.from_words(["the", "qzxv"])
-    lat = read_fst_text(f"0 1 1 1 0,1\n1 2 2 2 0,1\n2\n", sym, name="oov")
+    lat = read_fst_text("0 1 1 1 0,1\n1 2 2 2 0,1\n2\n", sym, name="oov")
     w = Weights(am_scale=0.1, lm_weight=1.0, ngram_weight=0.0, oov_penalty=-2.0)
     h = LatticeRescorer(w, lm.model, lm.vocab).expand(lat).nbest(w, 1)[0]
     assert h["words"] == ["the", "qzxv"] and h["n_oov"] == 1
