@@ -173,6 +173,9 @@ def demo(
     typer.echo("demo: smallstate-lm " + " ".join(argv))
     rescore_cmd = typer.main.get_command(app)
     rescore_cmd.main(args=argv, standalone_mode=False)
+    wer_lines = (out / "rescored" / "wer.txt").read_text().splitlines()
+    after, before = wer_lines[0].split()[1], wer_lines[1].split()[-1]
+    typer.echo(f"demo: WER before rescoring (first pass) {before}%, after rescoring {after}%")
     typer.echo(f"demo: outputs in {out / 'rescored'} (best.txt, nbest.jsonl, wer.txt, lattices/)")
 
 

@@ -10,7 +10,6 @@ from typing import Sequence
 from tqdm import tqdm
 
 from ..errors import SmallstateError
-from ..scoring import Weights
 from ..vocab import atomic_write_text
 from .expand import ExpandStats, LatticeRescorer
 from .lattice import SymbolTable, read_fst, read_slf, write_fst
@@ -73,8 +72,7 @@ def rescore_lattice_files(paths: Sequence[Path], symbols: SymbolTable, rescorer:
     best: dict[str, list[str]] = {}
     first: dict[str, list[str]] = {}
     nbest_utts: list[Utterance] = []
-    base = Weights(am_scale=rescorer.w.am_scale, graph_scale=rescorer.w.graph_scale, lm_weight=0.0,
-                   ngram_weight=0.0)
+    first_pass_scales = (rescorer.w.am_scale, 1.0)  # the decoder's own best path: graph + am_scale * acoustic
     if write_lattices:
         (out / "lattices").mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +99,7 @@ def rescore_lattice_files(paths: Sequence[Path], symbols: SymbolTable, rescorer:
             summary.pruned_harder.append(exp.name)
         hyps = exp.nbest(rescorer.w, nbest)
         best[exp.name] = hyps[0]["words"]
-        first[exp.name] = exp.source.best_path(base.am_scale, base.graph_scale)[0]
+        first[exp.name] = exp.source.best_path(*first_pass_scales)[0]
         nbest_utts.append(Utterance(exp.name, [
             Hypothesis(words=h["words"], am=h["am"], graph=h["graph"], id=str(r),
                        scores={k: v for k, v in h.items() if k != "words"} | {"rank": r})
