@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, SmallstateError
+from .files import atomic_output
 from .models import ModelConfig, build_model
 from .vocab import Vocabulary
 
@@ -26,15 +26,8 @@ LAST_FILE = "last.pt"  # full training state: what --resume loads
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_output(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_checkpoint(path: Path, model: nn.Module, vocab: Vocabulary, **extra) -> None:

@@ -275,7 +275,6 @@ def rescore(
     nbest.jsonl, rescored lattices (lattices/) and, with --refs, wer.txt."""
     from .rescoring.nbest import read_nbest, read_text, write_nbest_jsonl, write_text
     from .rescoring.rescore import apply_weights, compute_components
-    from .rescoring.wer import corpus_wer
 
     kinds = {_is_lattice(p) for p in inputs}
     if len(kinds) > 1:
@@ -297,14 +296,9 @@ def rescore(
     summary = (f"{stats.utterances} utterances, {stats.hypotheses} hypotheses, {stats.tokens_total} tokens "
                f"({stats.tokens_computed} computed), OOV {100 * stats.oov_rate:.2f}%, {stats.seconds:.1f} s")
     if ref is not None:
-        from .vocab import atomic_write_text
+        from .rescoring.wer import write_wer_report
 
-        total, per = corpus_wer({u: ref[u] for u in best if u in ref}, best)
-        first, _ = corpus_wer({u: ref[u] for u in best if u in ref}, {u.utt: u.hyps[0].words for u in utts})
-        lines = [f"%WER {100 * total.wer:.2f} [ {total.errors} / {total.ref_words}, {total.ins} ins, "
-                 f"{total.dels} del, {total.sub} sub ]", f"first-pass %WER {100 * first.wer:.2f}"]
-        lines += [f"{u} {c.errors} {c.ref_words}" for u, c in per.items()]
-        atomic_write_text(out / "wer.txt", "\n".join(lines) + "\n")
+        total, first = write_wer_report(out / "wer.txt", ref, best, {u.utt: u.hyps[0].words for u in utts})
         summary += f"; WER {100 * total.wer:.2f}% (first pass {100 * first.wer:.2f}%)"
     typer.echo(summary)
 

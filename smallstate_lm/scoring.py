@@ -20,7 +20,8 @@ from torch import nn
 
 from .data import pad_batch
 from .errors import ConfigError, VocabularyError
-from .vocab import EOS_ID, Vocabulary, atomic_write_text
+from .files import atomic_write_text
+from .vocab import EOS_ID, Vocabulary
 
 
 @dataclass

@@ -8,13 +8,13 @@ alphabetically so that building twice from the same text gives the same ids.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import VocabularyError
+from .files import atomic_write_text, read_lines
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 BOS_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -121,28 +121,10 @@ class Vocabulary:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocabulary:
         path = Path(path)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise VocabularyError(f"{path}: vocabulary file not found") from None
-        except UnicodeDecodeError as e:
-            raise VocabularyError(f"{path}: not UTF-8 text ({e.reason})") from None
+        lines = read_lines(path, VocabularyError, "vocabulary file")
         lowercase = bool(lines) and lines[0] == "#lowercase"
         words = lines[1:] if lowercase else lines
         try:
             return cls(words, lowercase=lowercase)
         except VocabularyError as e:
             raise VocabularyError(f"{path}: {e}") from None
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write through a temp file in the same directory and rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -22,7 +22,6 @@ import math
 import os
 import re
 import struct
-import tempfile
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SmallstateError
+from ..files import atomic_output, atomic_write_text, read_lines
 
 
 class LatticeFormatError(SmallstateError):
@@ -76,12 +76,7 @@ class SymbolTable:
     def read(cls, path: str | os.PathLike) -> SymbolTable:
         """Read `word id` lines (spaces or tabs); errors name `file:line`."""
         path = Path(path)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise LatticeFormatError(f"{path}: symbol table not found") from None
-        except UnicodeDecodeError as e:
-            raise LatticeFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        lines = read_lines(path, LatticeFormatError, "symbol table")
         pairs: list[tuple[str, int]] = []
         seen: dict[str, int] = {}
         seen_id: dict[int, int] = {}
@@ -157,7 +152,7 @@ class SymbolTable:
     def write(self, path: str | os.PathLike) -> None:
         """Write `word id` lines sorted by id."""
         text = "".join(f"{self._word[i]} {i}\n" for i in sorted(self._word))
-        _atomic_write_bytes(Path(path), text.encode("utf-8"))
+        atomic_write_text(path, text)
 
 
 @dataclass
@@ -571,28 +566,9 @@ def write_fst(path: str | os.PathLike, lattice: Lattice) -> None:
         fst.add_arc(s, kaldifst.LatticeArc(w, w, kaldifst.LatticeWeight(g, a), d))
     for s in np.flatnonzero(lattice.is_final()).tolist():
         fst.set_final(s, kaldifst.LatticeWeight(float(lattice.final_graph[s]), float(lattice.final_acoustic[s])))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        if not fst.write(tmp):
+    with atomic_output(path) as tmp:
+        if not fst.write(str(tmp)):
             raise OSError(f"{path}: kaldifst could not write the lattice")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ----------------------------------------------------------------------------------------------------------

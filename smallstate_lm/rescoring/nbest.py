@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SmallstateError
-from ..vocab import atomic_write_text
+from ..files import atomic_write_text, read_lines
 
 
 class NBestFormatError(SmallstateError):
@@ -54,12 +54,7 @@ def _finite(value: str, path: Path, line: int, column: str) -> float:
 
 
 def _open_text(path: Path) -> list[str]:
-    if not path.exists():
-        raise NBestFormatError(f"{path}: file not found")
-    try:
-        return path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise NBestFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    return read_lines(path, NBestFormatError)
 
 
 def _group(pairs: list[tuple[str, Hypothesis]], path: Path) -> list[Utterance]:

@@ -10,11 +10,10 @@ from typing import Sequence
 from tqdm import tqdm
 
 from ..errors import SmallstateError
-from ..vocab import atomic_write_text
 from .expand import ExpandStats, LatticeRescorer
 from .lattice import SymbolTable, read_fst, read_slf, write_fst
 from .nbest import Hypothesis, Utterance, write_nbest_jsonl, write_text
-from .wer import corpus_wer
+from .wer import write_wer_report
 
 
 def lattice_name(path: Path) -> str:
@@ -116,14 +115,8 @@ def rescore_lattice_files(paths: Sequence[Path], symbols: SymbolTable, rescorer:
     if nbest_utts:
         write_nbest_jsonl(out / "nbest.jsonl", nbest_utts)
     if refs is not None and best:
-        scored = {u: refs[u] for u in best if u in refs}
-        total, per = corpus_wer(scored, best)
-        fp, _ = corpus_wer(scored, first)
+        total, fp = write_wer_report(out / "wer.txt", refs, best, first)
         summary.wer, summary.first_pass_wer = total.to_dict(), fp.to_dict()
-        lines = [f"%WER {100 * total.wer:.2f} [ {total.errors} / {total.ref_words}, {total.ins} ins, "
-                 f"{total.dels} del, {total.sub} sub ]", f"first-pass %WER {100 * fp.wer:.2f}"]
-        lines += [f"{u} {c.errors} {c.ref_words}" for u, c in per.items()]
-        atomic_write_text(out / "wer.txt", "\n".join(lines) + "\n")
     summary.seconds = time.perf_counter() - t0
     return summary
 

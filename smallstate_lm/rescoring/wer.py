@@ -44,3 +44,23 @@ def corpus_wer(refs: dict[str, list[str]], hyps: dict[str, list[str]]) -> tuple[
     for c in per.values():
         total = total + c
     return total, per
+
+
+def write_wer_report(path, refs: dict[str, list[str]], best: dict[str, list[str]],
+                     first_pass: dict[str, list[str]] | None = None) -> tuple[ErrorCounts, ErrorCounts | None]:
+    """wer.txt: the corpus line (Kaldi's compute-wer style), the first pass's WER when
+    given, then `utt errors ref_words` per utterance. Scores the utterances of `best`
+    that have a reference."""
+    from ..files import atomic_write_text
+
+    scored = {u: refs[u] for u in best if u in refs}
+    total, per = corpus_wer(scored, best)
+    lines = [f"%WER {100 * total.wer:.2f} [ {total.errors} / {total.ref_words}, {total.ins} ins, "
+             f"{total.dels} del, {total.sub} sub ]"]
+    first = None
+    if first_pass is not None:
+        first, _ = corpus_wer(scored, first_pass)
+        lines.append(f"first-pass %WER {100 * first.wer:.2f}")
+    lines += [f"{u} {c.errors} {c.ref_words}" for u, c in per.items()]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return total, first
