@@ -1,7 +1,7 @@
 """Lattice rescoring: history merging (order n) against exact histories, in one run.
 
 Both rescore the same lattices with the same LMs and weights; reported: WER, expanded
-states, LM calls, seconds (per mode, best of two alternating runs; lattices
+states, LM calls, seconds (per mode, best of --repeats alternating runs; lattices
 are expanded `batch_lattices` at a time, sharing LM calls), peak LM state memory (all lattices in flight together).
 
     python benchmarks/bench_lattice.py --lm runs/demo/lm --ngram runs/demo/lm4.bin \\
@@ -41,18 +41,25 @@ def main() -> None:
     ap.add_argument("--refs", nargs="+", default=None, help="reference file(s) [default: ref.txt beside them]")
     ap.add_argument("--weights", default=None, help="[default: weights.json beside the lattices, if any]")
     ap.add_argument("--order", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs per mode; the fastest is kept")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many lattices per directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     files: list[Path] = []
     for p in map(Path, args.lattices):
-        files.extend(sorted(p.glob("*.lat.fst")) if p.is_dir() else [p])
-    first_dir = files[0].parent if files[0].parent.name != "fst" else files[0].parent.parent
+        files.extend(sorted(p.glob("*.lat.fst"))[: args.limit] if p.is_dir() else [p])
+    def home(f: Path) -> Path:  # shared/data layout keeps lattices in <voice>/fst/
+        return f.parent.parent if f.parent.name == "fst" else f.parent
+
+    first_dir = home(files[0])
     words = Path(args.words) if args.words else next(p for p in (first_dir / "words.txt", first_dir.parent /
                                                                  "words.txt") if p.exists())
-    refs: dict[str, list[str]] = {}
-    for r in args.refs or [str(first_dir / "ref.txt")]:
-        refs.update(read_text(r))
+    # references per directory: utterance ids repeat across voices
+    ref_files = {d: read_text(d / "ref.txt") for d in {home(f) for f in files}} if not args.refs else None
+    extra_refs: dict[str, list[str]] = {}
+    for r in args.refs or []:
+        extra_refs.update(read_text(r))
     weights_path = Path(args.weights) if args.weights else first_dir / "weights.json"
     w = Weights.load(weights_path) if weights_path.exists() else Weights(am_scale=1 / 9.5)
     symbols = SymbolTable.read(words)
@@ -63,14 +70,15 @@ def main() -> None:
                  for k, o in modes.items()}
     acc = {k: {"errors": 0, "states": 0, "calls": 0, "seconds": 0.0, "peak": 0} for k in modes}
     lats = [read_lattice(f, symbols) for f in files]
-    ref_words = sum(len(refs[lat.name]) for lat in lats)
-    for _ in range(2):  # run each mode twice, alternating, and keep the faster time
+    refs = [ref_files[home(f)][lat.name] if ref_files else extra_refs[lat.name] for f, lat in zip(files, lats)]
+    ref_words = sum(len(r) for r in refs)
+    for _ in range(args.repeats):  # alternate the modes, keep each one's fastest run
         for k, rs in rescorers.items():
             a = {"errors": 0, "states": 0, "peak": 0}
             calls0 = rs.lm_calls
             t0 = time.perf_counter()
-            for _, exp in rs.expand_many(lats):
-                a["errors"] += align_counts(refs[exp.name], exp.nbest(w, 1)[0]["words"]).errors
+            for j, exp in rs.expand_many(lats):
+                a["errors"] += align_counts(refs[j], exp.nbest(w, 1)[0]["words"]).errors
                 a["states"] += exp.stats.expanded_states
                 a["peak"] = max(a["peak"], exp.stats.peak_state_bytes)
             seconds = time.perf_counter() - t0

@@ -52,6 +52,25 @@ def timeit(fn: Callable[[], object], repeats: int, sync: bool = False) -> float:
     return statistics.median(times)
 
 
+def paired_medians(fa: Callable[[], object], fb: Callable[[], object], repeats: int, b_per_a: int = 1,
+                   sync: bool = False) -> tuple[float, float]:
+    """Median seconds of fa and of fb, timed alternately (one fa, then b_per_a fb calls)
+    so that load from other processes hits both alike."""
+    fa(), fb()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out, n in ((fa, ta, 1), (fb, tb, b_per_a)):
+            for _ in range(n):
+                if sync:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                if sync:
+                    torch.cuda.synchronize()
+                out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def write_section(name: str, body: str, doc: Path = DOC, header: str = HEADER) -> None:
     """Replace (or append) the section delimited by markers for `name` in `doc`."""
     doc.parent.mkdir(parents=True, exist_ok=True)

@@ -295,9 +295,12 @@ class TransformerLM(nn.Module):
         for layer in self.layers:
             x, _, _ = layer(x, empty, None if self.cfg.shared_kv else empty, attn_mask, False)
         h = self.norm(x)  # (B, N+1, d)
-        h_par = h.gather(1, par[:, :, None].expand(B, N, h.shape[2]))  # (B, N, d) output at each parent
-        logp = self.output.target_logprob(h_par.reshape(B * N, -1), tokens.reshape(B * N)).view(B, N)
-        return logp.masked_fill(~real, 0.0)
+        # Only real nodes go through the output layer: padding would cost a full vocabulary row each.
+        b_idx, n_idx = real.nonzero(as_tuple=True)  # (R,), (R,)
+        h_par = h[b_idx, par[b_idx, n_idx]]  # (R, d) output at each real node's parent
+        logp = torch.zeros(B, N, dtype=torch.float32, device=dev)
+        logp[b_idx, n_idx] = self.output.target_logprob(h_par, tokens[b_idx, n_idx])
+        return logp
 
     # ---- internals -----------------------------------------------------------------
     def _run(self, tokens, state: TransformerState, lengths, include_last: bool):

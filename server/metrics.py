@@ -1,0 +1,92 @@
+"""Prometheus metrics, in a registry of the app's own (several apps in one process,
+as in tests, do not collide)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+ROUTES = frozenset({"/rescore", "/score", "/healthz", "/readyz", "/metrics", "/v1/models", "/docs", "/redoc",
+                    "/openapi.json", "/docs/oauth2-redirect"})
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("smallstate_requests", "HTTP requests by route, method and status.",
+                                ["route", "method", "status"], registry=r)
+        self.latency = Histogram("smallstate_request_duration_seconds", "HTTP request latency by route and status.",
+                                 ["route", "status"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_progress = Gauge("smallstate_requests_in_progress", "HTTP requests being served, by route.",
+                                 ["route"], registry=r)
+        self.queue_depth = Gauge("smallstate_queue_depth", "Requests waiting for the worker.", registry=r)
+        self.batch_requests = Histogram("smallstate_batch_requests", "Requests merged into one worker batch.",
+                                        buckets=SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("smallstate_batch_tokens", "Token cost (unique prefixes + lattice arcs) of "
+                                      "one worker batch.", buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("smallstate_batch_compute_seconds", "Worker time per batch.",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("smallstate_tokens", "Neural LM tokens: kind=scored (words + </s>) or computed "
+                              "(unique prefixes, lattice steps).", ["kind"], registry=r)
+        self.tokens_per_second = Gauge("smallstate_tokens_per_second", "Tokens scored per second of worker time, "
+                                       "last batch.", registry=r)
+        self.ready = Gauge("smallstate_ready", "1 when the model is loaded and warmed up and the server is not "
+                           "draining.", registry=r)
+        self.model = Info("smallstate_model", "The loaded models and device.", registry=r)
+
+    @staticmethod
+    def route_of(path: str) -> str:
+        return path if path in ROUTES else "other"  # unknown paths would blow up the label set
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route, str(status)).observe(seconds)
+
+    def observe_batch(self, n_requests: int, cost: int, seconds: float) -> None:
+        self.batch_requests.observe(n_requests)
+        self.batch_tokens.observe(cost)
+        self.batch_seconds.observe(seconds)
+
+    def observe_tokens(self, scored: int, computed: int, seconds: float) -> None:
+        self.tokens.labels("scored").inc(scored)
+        self.tokens.labels("computed").inc(computed)
+        if seconds > 0 and scored:
+            self.tokens_per_second.set(scored / seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request (pure ASGI, so errors raised below it count as 500)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = self.metrics.route_of(scope["path"])
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        gauge = self.metrics.in_progress.labels(route)
+        gauge.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            gauge.dec()
+            self.metrics.observe_request(route, scope["method"], status, time.perf_counter() - t0)

@@ -1,0 +1,244 @@
+"""Request and response schemas (pydantic v2); they are the OpenAPI document at /docs.
+
+All scores are natural logarithms (ln), higher is better. Limits that are settings
+(utterances, hypotheses, words, lattice arcs, nbest) are checked by the service after
+parsing and answered with 422 naming the field and the limit.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+# Scores and weights are bounded so that no finite combination of them overflows.
+MAX_ABS_SCORE = 1e9
+MAX_ABS_WEIGHT = 1e4
+
+
+_SPACE = re.compile(r"\s")  # for str patterns: exactly the characters of str.isspace(), which str.split() uses
+
+
+def _unicode(s: str) -> str:
+    """JSON may carry lone surrogates; they cannot be encoded (KenLM, the response), so refuse them here."""
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return s
+
+
+def _word(s: str) -> str:
+    if _SPACE.search(s):
+        raise ValueError("a word may not contain whitespace")
+    return _unicode(s)
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Word = Annotated[str, Field(min_length=1, max_length=1000), AfterValidator(_word)]
+Id = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_unicode)]
+Score = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_SCORE, le=MAX_ABS_SCORE)]
+WeightValue = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_WEIGHT, le=MAX_ABS_WEIGHT)]
+
+
+def _exactly_one(*fields: tuple[str, str]) -> dict:
+    """JSON Schema for "exactly one of these fields is given and not null" (what the validators check)."""
+    return {"oneOf": [{"required": [name], "properties": {name: {"type": kind}}} for name, kind in fields]}
+
+
+class _Strict(BaseModel):
+    # No coercion ("1" is not a number, "true" not a boolean) and no unknown fields (a typo is an error).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class HypothesisIn(_Strict):
+    """One first-pass hypothesis: `text` (split on whitespace) or `words`, exactly one."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one(("text", "string"), ("words", "array")))
+
+    id: Optional[Id] = Field(None, description="Echoed back; default: the hypothesis's position in the list.")
+    text: Optional[Text] = Field(None, description="The words, separated by whitespace.")
+    words: Optional[list[Word]] = Field(None, description="The words as a list (no whitespace inside a word).")
+    am_score: Score = Field(..., description="Acoustic log-likelihood, natural log (higher is better).")
+    graph_score: Score = Field(0.0, description="First-pass LM / graph log-probability, natural log.")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "HypothesisIn":
+        if (self.text is None) == (self.words is None):
+            raise ValueError("give exactly one of 'text' and 'words'")
+        return self
+
+
+class LatticeIn(_Strict):
+    """A first-pass lattice as text. OpenFST text: `src dst ilabel olabel graph,acoustic` arcs and
+    `state graph,acoustic` finals (costs are -ln); HTK SLF: `N= L=` header, `I=` nodes, `J= S= E= W= a= l=`
+    links (plain text, not gzip)."""
+
+    format: Literal["openfst-text", "htk-slf"]
+    data: Text = Field(..., min_length=1, description="The lattice file's text.")
+    words: Optional[dict[Word, Annotated[int, Field(ge=0, le=2**31 - 1)]]] = Field(
+        None, description="The decoder's symbol table as {word: id}. OpenFST text with integer labels needs it; "
+        "without it, labels are the words themselves (id 0 / `<eps>` is epsilon).")
+
+
+class UtteranceIn(_Strict):
+    """An n-best list (`hypotheses`) or a `lattice`, exactly one."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one(("hypotheses", "array"), ("lattice", "object")))
+
+    id: Id
+    hypotheses: Optional[list[HypothesisIn]] = Field(None, min_length=1, description="An n-best list.")
+    lattice: Optional[LatticeIn] = None
+    context: Optional[Text] = Field(
+        None, description="Words said before this utterance (e.g. the previous transcript), whitespace-separated. "
+        "Both LMs are conditioned on them (after <s>); their own log-probs are not counted. Hypothesis lists only.")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "UtteranceIn":
+        if (self.hypotheses is None) == (self.lattice is None):
+            raise ValueError("give exactly one of 'hypotheses' and 'lattice'")
+        return self
+
+
+class WeightsIn(_Strict):
+    """Overrides of the server's default weights (see /v1/models). total = am_scale*am + graph_scale*graph
+    + lm_weight*neural + ngram_weight*ngram + word_penalty*n_words + oov_penalty*n_oov (loglinear); with
+    interpolation=linear the two LM terms become lm_weight * sum_t ln(lam p_neural + (1-lam) p_ngram)."""
+
+    am_scale: Optional[WeightValue] = None
+    graph_scale: Optional[WeightValue] = None
+    lm_weight: Optional[WeightValue] = None
+    ngram_weight: Optional[WeightValue] = None
+    word_penalty: Optional[WeightValue] = None
+    oov_penalty: Optional[WeightValue] = None
+    interpolation: Optional[Literal["loglinear", "linear"]] = None
+    lam: Optional[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = None
+
+
+class RescoreRequest(_Strict):
+    utterances: list[UtteranceIn] = Field(..., min_length=1)
+    weights: Optional[WeightsIn] = None
+    nbest: Optional[int] = Field(None, ge=1, description="Hypotheses returned per utterance: the n best of a list "
+                                 "(default: all), the n best distinct word sequences of a lattice (default: the "
+                                 "server's lattice_nbest).")
+    return_token_logprobs: bool = Field(False, description="Per-token natural-log probabilities (words + </s>) "
+                                        "of each LM, for hypothesis lists.")
+
+
+class TokenLogprobs(BaseModel):
+    neural: Optional[list[float]] = None
+    ngram: Optional[list[float]] = None
+
+
+class ScoredHypothesis(BaseModel):
+    """Components are natural-log scores before weighting; `penalty` is the weighted
+    word_penalty*n_words + oov_penalty*n_oov term; `total` is the weighted sum (higher is better)."""
+
+    id: Optional[str] = None
+    words: list[str]
+    rank: int = Field(..., description="0 = best under the request's weights.")
+    total: float
+    am: float
+    graph: float
+    neural: Optional[float] = Field(None, description="Neural LM ln-probability of words + </s> (null without one).")
+    ngram: Optional[float] = Field(None, description="N-gram ln-probability of words + </s> (null without one).")
+    penalty: float
+    n_words: int
+    n_oov: int
+    token_logprobs: Optional[TokenLogprobs] = None
+
+
+class UtteranceResult(BaseModel):
+    id: str
+    source: Literal["hypotheses", "lattice"]
+    best: ScoredHypothesis
+    hypotheses: list[ScoredHypothesis]
+
+
+class Usage(BaseModel):
+    utterances: int
+    hypotheses: int = Field(..., description="Hypotheses scored (lattices: n-best entries returned).")
+    tokens_total: int = Field(..., description="Tokens scored by the neural LM: words + </s> of every hypothesis "
+                              "(context included), plus lattice expansion steps.")
+    tokens_computed: int = Field(..., description="Of those, the ones computed: unique prefixes per utterance, "
+                                 "plus lattice expansion steps.")
+    lattice_arcs: int
+    batch_requests: int = Field(..., description="Requests merged into the forward passes that served this one.")
+    queue_ms: float = Field(..., description="Waiting for the worker, milliseconds.")
+    compute_ms: float = Field(..., description="From the batch's start to this response's scores, milliseconds.")
+
+
+class WeightsOut(BaseModel):
+    am_scale: float
+    graph_scale: float
+    lm_weight: float
+    ngram_weight: float
+    word_penalty: float
+    oov_penalty: float
+    interpolation: Literal["loglinear", "linear"]
+    lam: float
+
+
+class RescoreResponse(BaseModel):
+    utterances: list[UtteranceResult]
+    weights: WeightsOut = Field(..., description="The weights applied (server defaults plus the request's).")
+    usage: Usage
+
+
+class ScoreRequest(_Strict):
+    sentences: list[Text] = Field(..., min_length=1, description="Whitespace-separated words; each is scored "
+                                  "from <s> and includes </s>.")
+    return_token_logprobs: bool = False
+
+
+class LMScore(BaseModel):
+    logprob: float = Field(..., description="Sum of natural-log probabilities over words + </s>.")
+    perplexity: float = Field(..., description="exp(-logprob / tokens).")
+    token_logprobs: Optional[list[float]] = None
+
+
+class SentenceScore(BaseModel):
+    words: list[str]
+    tokens: int = Field(..., description="Words + </s>.")
+    n_oov: int
+    neural: Optional[LMScore] = None
+    ngram: Optional[LMScore] = None
+
+
+class ScoreResponse(BaseModel):
+    sentences: list[SentenceScore]
+    usage: Usage
+
+
+class NeuralInfo(BaseModel):
+    path: str
+    preset: str
+    parameters: int
+    vocab_size: int
+    state_numel_per_position: int = Field(..., description="Numbers of LM state stored per history position.")
+    state_bytes_per_position: int
+    config: dict
+
+
+class NgramInfo(BaseModel):
+    path: str
+    order: int
+
+
+class ModelsResponse(BaseModel):
+    neural: Optional[NeuralInfo]
+    ngram: Optional[NgramInfo]
+    device: str
+    weights: WeightsOut = Field(..., description="Default weights.")
+    lattice: dict = Field(..., description="Lattice expansion settings.")
+    batching: dict
+
+
+class ErrorResponse(BaseModel):
+    detail: str
+    type: str
+    field: Optional[str] = None
+    limit: Optional[float] = None
+    errors: Optional[list[dict]] = None

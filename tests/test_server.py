@@ -1,0 +1,532 @@
+"""The rescoring service end to end: real uvicorn processes on 127.0.0.1 (random ports) with
+a tiny random-weight Transformer and a real KenLM 3-gram. Scores equal the CLI's, every
+limit and malformed input gets its documented status, concurrent clients are batched and
+answered correctly, SIGTERM loses no accepted request, and schemathesis finds no 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import REPO, TEST_DATA, run_cli
+
+from smallstate_lm.rescoring.lattice import SymbolTable, lattice_to_text, read_fst
+from smallstate_lm.rescoring.nbest import read_nbest
+
+LAT_DIR = TEST_DATA / "lattices"
+TOL = dict(rel=1e-5, abs=1e-4)  # float32 forward passes in different batch compositions
+
+
+# ---------------------------------------------------------------------------------------------
+# A server process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`smallstate-lm serve` in a subprocess on a free loopback port, one torch thread."""
+
+    def __init__(self, lm: Path, ngram: Path, *settings: str, log: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, SMALLSTATE_THREADS="1", SMALLSTATE_LOG_LEVEL="warning")
+        args = [sys.executable, "-m", "smallstate_lm.cli", "serve", "--lm", str(lm), "--ngram", str(ngram),
+                "--port", str(self.port), "--device", "cpu"]
+        for s in settings:
+            args += ["--set", s]
+        self.log = log
+        self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not become ready:\n{log.read_text()}")
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tiny_lm_dir, kenlm_model, tmp_path_factory):
+    s = Server(tiny_lm_dir, kenlm_model, "drain_seconds=0", log=tmp_path_factory.mktemp("srv") / "server.log")
+    yield s
+    assert s.stop() == 0, s.log.read_text()
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+TIGHT = ("max_utterances=2", "max_hypotheses=3", "max_words=5", "max_lattice_arcs=200", "max_nbest=5",
+         "lattice_nbest=3", "max_body_bytes=20000", "max_queue=2", "max_wait_ms=1500", "wait_for_arrivals=false",
+         "api_key=sekrit", "drain_seconds=0")
+AUTH = {"Authorization": "Bearer sekrit"}
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_lm_dir, kenlm_model, tmp_path_factory):
+    s = Server(tiny_lm_dir, kenlm_model, *TIGHT, log=tmp_path_factory.mktemp("tight") / "server.log")
+    yield s
+    s.stop()
+
+
+def post(server: Server, route: str, body, headers=None) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, headers=headers, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests from the test data
+
+
+def nbest_request(utts) -> dict:
+    return {"utterances": [{"id": u.utt, "hypotheses": [
+        {"id": h.id, "words": h.words, "am_score": h.am, "graph_score": h.graph} for h in u.hyps]} for u in utts]}
+
+
+def words_map() -> dict[str, int]:
+    pairs = [line.split() for line in (LAT_DIR / "words.txt").read_text().splitlines() if line.strip()]
+    return {w: int(i) for w, i in pairs}
+
+
+def fst_utterance(path: Path, name: str) -> dict:
+    lat = read_fst(path, SymbolTable.read(LAT_DIR / "words.txt"))
+    return {"id": name, "lattice": {"format": "openfst-text", "data": lattice_to_text(lat), "words": words_map()}}
+
+
+def cli_nbest(out: Path) -> dict[str, list[dict]]:
+    recs = [json.loads(line) for line in (out / "nbest.jsonl").read_text().splitlines()]
+    return {r["utt"]: r["hyps"] for r in recs}
+
+
+def assert_same_hyps(cli_hyps: list[dict], served: dict, by_id: bool) -> None:
+    got = served["hypotheses"]
+    assert len(got) == len(cli_hyps)
+    assert served["best"] == got[0]
+    for rank, (want, have) in enumerate(zip(cli_hyps, got)):
+        assert have["rank"] == rank
+        assert have["words"] == want["words"]
+        if by_id:
+            assert have["id"] == want["id"]
+        for key in ("total", "am", "graph", "neural", "ngram"):
+            assert have[key] == pytest.approx(want[key], **TOL), (rank, key)
+        assert (have["n_words"], have["n_oov"]) == (want["n_words"], want["n_oov"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Same numbers as the CLI
+
+
+def test_nbest_matches_cli(server, tmp_path, tiny_lm_dir, kenlm_model):
+    proc = run_cli("rescore", TEST_DATA / "nbest.tsv", "--lm", tiny_lm_dir, "--ngram", kenlm_model, "-o",
+                   tmp_path / "out", "--quiet", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    want = cli_nbest(tmp_path / "out")
+    utts = read_nbest(TEST_DATA / "nbest.tsv")
+    r = post(server, "/rescore", nbest_request(utts))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [u["id"] for u in body["utterances"]] == [u.utt for u in utts]
+    for u in body["utterances"]:
+        assert u["source"] == "hypotheses"
+        assert_same_hyps(want[u["id"]], u, by_id=True)
+    usage = body["usage"]
+    n_tokens = sum(len(h.words) + 1 for u in utts for h in u.hyps)
+    assert usage["tokens_total"] == n_tokens and 0 < usage["tokens_computed"] < n_tokens
+    assert usage["hypotheses"] == sum(len(u.hyps) for u in utts)
+    # text instead of words, per-request weights and nbest: the same components, re-weighted
+    req = nbest_request(utts[:1])
+    for h in req["utterances"][0]["hypotheses"]:
+        h["text"] = "  " + " ".join(h.pop("words")) + " "
+    req.update(weights={"lm_weight": 1.0, "word_penalty": -0.5}, nbest=2, return_token_logprobs=True)
+    hyps = post(server, "/rescore", req).json()["utterances"][0]["hypotheses"]
+    assert len(hyps) == 2
+    by_id = {h["id"]: h for h in want[utts[0].utt]}
+    for h in hyps:
+        c = by_id[h["id"]]
+        assert h["total"] == pytest.approx(0.1 * c["am"] + c["graph"] + c["neural"] + 0.5 * c["ngram"]
+                                           - 0.5 * c["n_words"], **TOL)
+        assert h["penalty"] == -0.5 * c["n_words"]
+        assert len(h["token_logprobs"]["neural"]) == c["n_words"] + 1
+        assert sum(h["token_logprobs"]["ngram"]) == pytest.approx(c["ngram"], **TOL)
+
+
+def test_lattices_match_cli(server, tmp_path, tiny_lm_dir, kenlm_model):
+    fsts = sorted(LAT_DIR.glob("*.lat.fst"))
+    proc = run_cli("rescore", *fsts, "--words", LAT_DIR / "words.txt", "--lm", tiny_lm_dir, "--ngram", kenlm_model,
+                   "-o", tmp_path / "fst", "--quiet", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    slfs = sorted(LAT_DIR.glob("*.lm.slf.gz"))
+    proc = run_cli("rescore", *slfs, "--lm", tiny_lm_dir, "--ngram", kenlm_model, "-o", tmp_path / "slf",
+                   "--quiet", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    names = [p.name.split(".")[0] for p in fsts]
+    r = post(server, "/rescore", {"utterances": [fst_utterance(p, n) for p, n in zip(fsts, names)]})
+    assert r.status_code == 200, r.text
+    want = cli_nbest(tmp_path / "fst")
+    for u in r.json()["utterances"]:
+        assert u["source"] == "lattice"
+        assert_same_hyps(want[u["id"]], u, by_id=False)
+    slf_req = {"utterances": [{"id": p.name.split(".")[0], "lattice": {
+        "format": "htk-slf", "data": gzip.decompress(p.read_bytes()).decode()}} for p in slfs]}
+    r = post(server, "/rescore", slf_req)
+    assert r.status_code == 200, r.text
+    want = cli_nbest(tmp_path / "slf")
+    for u in r.json()["utterances"]:
+        assert_same_hyps(want[u["id"]], u, by_id=False)
+    # a mixed request: a lattice next to an n-best list, three best paths
+    mixed = {"utterances": [fst_utterance(fsts[0], "lat"), nbest_request(read_nbest(TEST_DATA / "nbest.tsv")[:1])
+                            ["utterances"][0]], "nbest": 3}
+    body = post(server, "/rescore", mixed).json()
+    assert [len(u["hypotheses"]) for u in body["utterances"]] == [3, 3]
+    assert body["usage"]["lattice_arcs"] > 0
+
+
+def test_score_and_context(server):
+    r = post(server, "/score", {"sentences": ["the lord said", "", "and he said unto them"],
+                                "return_token_logprobs": True})
+    assert r.status_code == 200, r.text
+    s = r.json()["sentences"]
+    assert [x["tokens"] for x in s] == [4, 1, 6]
+    for x in s:
+        for lm in ("neural", "ngram"):
+            assert x[lm]["logprob"] == pytest.approx(sum(x[lm]["token_logprobs"]), **TOL)
+            assert x[lm]["perplexity"] == pytest.approx(2.718281828 ** (-x[lm]["logprob"] / x["tokens"]), rel=1e-6)
+    # context: the hypothesis's log-probs are the tail of the full sentence's
+    req = {"utterances": [{"id": "c", "context": "and he said", "hypotheses": [
+        {"text": "unto them", "am_score": -10.0}]}], "return_token_logprobs": True}
+    h = post(server, "/rescore", req).json()["utterances"][0]["best"]
+    full = s[2]
+    assert h["n_words"] == 2
+    for lm in ("neural", "ngram"):
+        assert h["token_logprobs"][lm] == pytest.approx(full[lm]["token_logprobs"][3:], **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed input and limits
+
+
+def _check(r: httpx.Response, status: int, field: str | None = None, limit=None, text: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert isinstance(body["detail"], str) and body["detail"]
+    if field is not None:
+        assert body["field"] == field, body
+    if limit is not None:
+        assert body["limit"] == limit, body
+    if text is not None:
+        assert text in body["detail"], body
+    return body
+
+
+def hyp(text="the lord said", am=-10.0, **kw) -> dict:
+    return {"text": text, "am_score": am, **kw}
+
+
+def utt(*hyps, **kw) -> dict:
+    return {"id": "u", "hypotheses": list(hyps) or [hyp()], **kw}
+
+
+BAD_REQUESTS = [  # (body, status, field)
+    ({"utterances": [{"id": "u", "hypotheses": []}]}, 422, "utterances[0].hypotheses"),
+    ({"utterances": []}, 422, "utterances"),
+    ({}, 422, "utterances"),
+    ({"utterances": [utt(hyp(words=["a"]))]}, 422, "utterances[0].hypotheses[0]"),
+    ({"utterances": [utt({"words": ["a b"], "am_score": 0})]}, 422, "utterances[0].hypotheses[0].words[0]"),
+    ({"utterances": [utt({"text": "a", "am_score": "x"})]}, 422, "utterances[0].hypotheses[0].am_score"),
+    ({"utterances": [utt({"text": "a"})]}, 422, "utterances[0].hypotheses[0].am_score"),
+    ({"utterances": [utt(hyp(am=1e300))]}, 422, "utterances[0].hypotheses[0].am_score"),
+    ({"utterances": [utt(hyp(), lattice={"format": "openfst-text", "data": "0 0"})]}, 422, "utterances[0]"),
+    ({"utterances": [{"id": "u", "lattice": {"format": "kaldi", "data": "0"}}]}, 422, "utterances[0].lattice.format"),
+    ({"utterances": [{"id": "u", "lattice": {"format": "openfst-text", "data": "0 1 the the x\n1\n"}}]}, 422,
+     "utterances[0].lattice.data"),
+    ({"utterances": [{"id": "u", "lattice": {"format": "openfst-text", "data": "0 1 5 5 1,1\n1\n"}}]}, 422,
+     "utterances[0].lattice.words"),
+    ({"utterances": [{"id": "u", "lattice": {"format": "openfst-text", "data": "0 1 a a\n1 0 b b\n"}}]}, 422,
+     "utterances[0].lattice.data"),  # a cycle, no final state
+    ({"utterances": [{"id": "u", "lattice": {"format": "htk-slf", "data": "VERSION=1.0\nN=2 L=1\nJ=0 S=0 E=5\n"}}]},
+     422, "utterances[0].lattice.data"),
+    ({"utterances": [{"id": "u", "lattice": {"format": "openfst-text", "data": "0 1 a a\n1\n", "words": {"a": 1},
+                                              }, "context": "x"}]}, 422, "utterances[0].context"),
+    ({"utterances": [utt()], "weights": {"lam": 2}}, 422, "weights.lam"),
+    ({"utterances": [utt()], "weights": {"lm_wieght": 1}}, 422, "weights.lm_wieght"),
+    ({"utterances": [utt()], "nbest": 0}, 422, "nbest"),
+    ({"utterances": [utt(hyp("zzxq qqzx xxqz"))]}, 422, "utterances"),  # vocabulary mismatch
+    ({"utterances": [utt(hyp("the \ud800 lord"))]}, 422, "utterances[0].hypotheses[0].text"),
+    ({"sentences": []}, 422, "sentences"),
+]
+
+
+@pytest.mark.parametrize("body,status,field", BAD_REQUESTS)
+def test_bad_requests(server, body, status, field):
+    route = "/score" if "sentences" in body else "/rescore"
+    # ensure_ascii escapes the lone surrogate, as a client in any language may send it
+    r = httpx.post(server.url + route, content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=30)
+    _check(r, status, field)
+
+
+def test_malformed_bodies(server):
+    h = {"content-type": "application/json"}
+    _check(httpx.post(server.url + "/rescore", content=b'{"utterances": [', headers=h), 400, "body", text="JSON")
+    _check(httpx.post(server.url + "/rescore", content=b"\xff\xfe", headers=h), 400, "body")
+    r = httpx.post(server.url + "/rescore", content=b'{"utterances": [{"id": "u", "hypotheses": [{"text": "a", '
+                   b'"am_score": NaN}]}]}', headers=h)
+    assert r.status_code in (400, 422) and "am_score" in r.text or "JSON" in r.text
+    _check(httpx.post(server.url + "/rescore", content=b"[]", headers=h), 422)
+    assert httpx.get(server.url + "/rescore").status_code == 405
+    assert httpx.get(server.url + "/nothing").status_code == 404
+    # a lattice whose costs overflow when combined is refused, not answered with inf
+    big = {"utterances": [{"id": "u", "lattice": {"format": "openfst-text",
+                                                  "data": "0 1 the the 1e308,1e308\n1 1e308,1e308\n"}}]}
+    _check(post(server, "/rescore", big), 422)
+
+
+def test_limits(tight):
+    ok = {"utterances": [utt()]}
+    assert post(tight, "/rescore", ok, AUTH).status_code == 200
+    _check(post(tight, "/rescore", {"utterances": [utt()] * 3}, AUTH), 422, "utterances", 2)
+    _check(post(tight, "/rescore", {"utterances": [utt(*[hyp()] * 4)]}, AUTH), 422, "utterances[0].hypotheses", 3)
+    _check(post(tight, "/rescore", {"utterances": [utt(hyp(), hyp("a b c d e f"))]}, AUTH), 422,
+           "utterances[0].hypotheses[1].text", 5)
+    _check(post(tight, "/rescore", {"utterances": [utt(hyp(), context="a b c d e f")]}, AUTH), 422,
+           "utterances[0].context", 5)
+    _check(post(tight, "/score", {"sentences": ["the", "a b c d e f"]}, AUTH), 422, "sentences[1]", 5)
+    _check(post(tight, "/score", {"sentences": ["the"] * 3}, AUTH), 422, "sentences", 2)
+    _check(post(tight, "/rescore", {**ok, "nbest": 6}, AUTH), 422, "nbest", 5)
+    lat = fst_utterance(LAT_DIR / "slt-dev0004.lat.fst", "big")  # 285 arcs
+    _check(post(tight, "/rescore", {"utterances": [lat]}, AUTH), 422, "utterances[0].lattice.data", 200)
+    sparse = {"id": "s", "lattice": {"format": "openfst-text", "data": "0 123456789012 a a\n123456789012\n"}}
+    _check(post(tight, "/rescore", {"utterances": [sparse]}, AUTH), 422, "utterances[0].lattice.data", 200)
+    slf = {"id": "s", "lattice": {"format": "htk-slf", "data": "N=99999999999 L=1\nJ=0 S=0 E=1\n"}}
+    _check(post(tight, "/rescore", {"utterances": [slf]}, AUTH), 422, "utterances[0].lattice.data", 201)
+    # body size: by Content-Length and when streamed without one
+    big = {"utterances": [utt(hyp("the " * 5000))]}
+    _check(post(tight, "/rescore", big, AUTH), 413, "body", 20000)
+
+    def chunks():
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 4096):
+            yield data[i:i + 4096]
+
+    r = httpx.post(tight.url + "/rescore", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    _check(r, 413, "body", 20000)
+    # API key
+    _check(post(tight, "/rescore", ok), 401)
+    _check(post(tight, "/rescore", ok, {"Authorization": "Bearer sekrit2"}), 401)
+    assert httpx.get(tight.url + "/metrics").status_code == 401
+    assert httpx.get(tight.url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(tight.url + "/healthz").status_code == 200 and httpx.get(tight.url + "/readyz").status_code == 200
+
+
+def test_queue_full_answers_503(tight):
+    # max_wait_ms=1500 holds the first requests in the queue; beyond max_queue=2 the rest are refused.
+    def call(_):
+        return post(tight, "/rescore", {"utterances": [utt()]}, AUTH)
+
+    with ThreadPoolExecutor(6) as ex:
+        rs = list(ex.map(call, range(6)))
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) >= 2 and codes.count(503) >= 1 and set(codes) <= {200, 503}, codes
+    busy = next(r for r in rs if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and "overloaded" in busy.json()["detail"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Concurrency, metrics
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`, from a Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, value = line.rpartition(" ")
+        metric, _, lab = key.partition("{")
+        if metric == name and all(f'{k}="{v}"' in lab for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_64_concurrent_clients(server, tiny_lm_dir, kenlm_model):
+    from smallstate_lm.checkpoint import load_model
+    from smallstate_lm.ngram import NgramLM
+    from smallstate_lm.rescoring.nbest import Hypothesis, Utterance
+    from smallstate_lm.rescoring.rescore import apply_weights, compute_components
+    from smallstate_lm.scoring import NeuralScorer, Weights
+
+    base = read_nbest(TEST_DATA / "nbest.tsv")
+    # 64 different small requests: 3..7 hypotheses of one utterance, some with their own weights
+    reqs, utts, weights = [], [], []
+    for k in range(64):
+        u = base[k % len(base)]
+        hyps = u.hyps[k % 5: k % 5 + 3 + k % 5]
+        utts.append(Utterance(f"{u.utt}-{k}", [Hypothesis(h.words, h.am, h.graph, str(j)) for j, h in enumerate(hyps)]))
+        w = {"lm_weight": 0.25 * (k % 4)} if k % 3 == 0 else {}
+        weights.append(Weights(**w))
+        reqs.append({**nbest_request(utts[-1:]), **({"weights": w} if w else {})})
+    lm = load_model(tiny_lm_dir)
+    comps, _ = compute_components(utts, NeuralScorer(lm.model, lm.vocab), NgramLM(kenlm_model), progress=False)
+    want = [apply_weights([u], [c], w)[0] for u, c, w in zip(utts, comps, weights)]
+    before = httpx.get(server.url + "/metrics").text
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*[client.post("/rescore", json=r) for r in reqs])
+
+    rs = asyncio.run(run())
+    batched = 0
+    for r, ref in zip(rs, want):
+        assert r.status_code == 200, r.text
+        u = r.json()["utterances"][0]
+        assert [h["id"] for h in u["hypotheses"]] == [h.id for h in ref.hyps]
+        assert [h["total"] for h in u["hypotheses"]] == pytest.approx([h.scores["total"] for h in ref.hyps], **TOL)
+        batched += r.json()["usage"]["batch_requests"] > 1
+    assert batched > 0  # concurrent requests shared forward passes
+    after = httpx.get(server.url + "/metrics").text
+    count = lambda t: _metric(t, "smallstate_requests_total", route="/rescore", status="200")  # noqa: E731
+    assert count(after) - count(before) == 64
+    batches = _metric(after, "smallstate_batch_requests_count") - _metric(before, "smallstate_batch_requests_count")
+    assert 0 < batches < 64
+    assert _metric(after, "smallstate_request_duration_seconds_count", route="/rescore", status="200") >= 64
+    assert _metric(after, "smallstate_tokens_total", kind="scored") > 0
+    assert 'smallstate_model_info{' in after and 'device="cpu"' in after
+    assert _metric(after, "smallstate_ready") == 1.0
+    assert _metric(after, "smallstate_requests_total", route="/rescore", status="422") >= 1  # earlier tests
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["neural"]["vocab_size"] == len(lm.vocab) and models["ngram"]["order"] == 3
+    assert models["neural"]["state_numel_per_position"] == lm.model.state_numel_per_position()
+
+
+def test_in_process_app_counts_arrivals(tiny_lm_dir, kenlm_model):
+    """The app without uvicorn: lifespan, mixed good and bad requests; afterwards no request
+    is counted as on its way in (the batcher would wait for it) and the queue is empty."""
+    from server.app import create_app
+    from server.settings import Settings
+
+    app = create_app(Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), threads=1, max_wait_ms=50))
+    svc = app.state.service
+    good = {"utterances": [utt()]}
+    bodies = [good, {"utterances": []}, good, {"sentences": ["the lord"]}, {"utterances": [utt(hyp("a " * 300))]}]
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                rs = await asyncio.gather(*[client.post("/score" if "sentences" in b else "/rescore", json=b)
+                                            for b in bodies * 4])
+                await client.post("/rescore", content=b"{", headers={"content-type": "application/json"})
+            assert svc.arriving == 0 and svc.batcher.depth == 0
+            return rs
+
+    rs = asyncio.run(run())
+    assert [r.status_code for r in rs] == [200, 422, 200, 200, 422] * 4
+    assert max(r.json()["usage"]["batch_requests"] for r in rs if r.status_code == 200) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Graceful shutdown
+
+
+def test_sigterm_finishes_accepted_requests(tiny_lm_dir, kenlm_model, tmp_path):
+    # a fixed 2 s batching wait keeps requests in flight long enough to signal the server under them
+    srv = Server(tiny_lm_dir, kenlm_model, "max_wait_ms=2000", "wait_for_arrivals=false", "drain_seconds=1.0",
+                 log=tmp_path / "server.log")
+    utts = read_nbest(TEST_DATA / "nbest.tsv")
+    reference = post(srv, "/rescore", nbest_request(utts[:1])).json()["utterances"][0]["hypotheses"]
+    results: list = []
+    stop = threading.Event()
+
+    def one(_=None):
+        try:
+            with httpx.Client(timeout=30) as c:  # a connection of its own: no keep-alive races
+                r = c.post(srv.url + "/rescore", json=nbest_request(utts[:1]))
+            results.append(r)
+            return r
+        except httpx.TransportError as e:  # refused or reset before the server took the request
+            results.append(e)
+            return e
+
+    def background():
+        while not stop.is_set() and not isinstance(one(), httpx.TransportError):
+            pass
+
+    with ThreadPoolExecutor(12) as ex:
+        for _ in range(4):
+            ex.submit(background)
+        inflight = [ex.submit(one) for _ in range(8)]
+        deadline = time.monotonic() + 10
+        while _metric(httpx.get(srv.url + "/metrics").text, "smallstate_requests_in_progress",
+                      route="/rescore") < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        assert httpx.get(srv.url + "/readyz").status_code == 503  # draining, still serving
+        assert httpx.get(srv.url + "/healthz").status_code == 200
+        in_flight = [f.result() for f in inflight]
+        stop.set()
+    assert srv.proc.wait(30) == 0, (tmp_path / "server.log").read_text()
+    for r in in_flight:
+        assert isinstance(r, httpx.Response) and r.status_code == 200, r
+    answered = [r for r in results if isinstance(r, httpx.Response)]
+    for r in answered:
+        assert r.status_code == 200, r.text
+        assert [h["total"] for h in r.json()["utterances"][0]["hypotheses"]] == pytest.approx(
+            [h["total"] for h in reference], **TOL)
+    assert len(answered) >= 8
+    with pytest.raises(httpx.TransportError):
+        httpx.get(srv.url + "/healthz", timeout=2)
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Property-based: schemathesis against the running server's OpenAPI schema
+
+
+@pytest.mark.skipif(shutil.which("st", path=str(Path(sys.executable).parent)) is None,
+                    reason="schemathesis is not installed")
+def test_schemathesis_finds_no_server_error(server, tmp_path):
+    st = str(Path(sys.executable).parent / "st")
+    n = os.environ.get("SMALLSTATE_SCHEMATHESIS_EXAMPLES", "15")
+    proc = subprocess.run([st, "run", server.url + "/openapi.json", "--checks", "not_a_server_error",
+                           "--max-examples", n, "--seed", "1", "--no-shrink", "--request-timeout", "30",
+                           "--phases", "examples,coverage,fuzzing", "--workers", "2",
+                           "--suppress-health-check", "all"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    m = re.search(r"Test cases:\s*(\d+) generated", out)
+    assert m and int(m.group(1)) > 50, out[-3000:]
+    print(out[-1500:])
