@@ -144,7 +144,7 @@ def main() -> None:
         "| path | tokens/s" + (" |" if device.type == "cuda" else " (relative to padded) |"),
         "|---|---|",
         *[f"| {name} | " + (f"{tps[k]:,.0f} |" if device.type == "cuda" else f"{tps[k] / tps['padded']:.2f}x |")
-          for k, name in (("shared", "prefix sharing (trie, state.select)"), ("padded", "padded per hypothesis"),
+          for k, name in (("shared", "prefix sharing (trie, tree attention)"), ("padded", "padded per hypothesis"),
                           ("gpt2", "transformers GPT-2, padded, full logits"))],
         "",
         f"Prefix sharing is {speed:.2f}x the padded path = {100 * speed / bound:.0f}% of the {bound:.2f}x bound "
