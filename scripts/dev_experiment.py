@@ -162,7 +162,8 @@ def main() -> None:
             "neural + n-gram weights of the n-best table (tuned on the other half's n-best lists) applied to "
             "each half's lattices (`fst/*.lat.fst`), histories merged on the last n-1 words or kept exact "
             "(beam 12, at most 64 expanded states per lattice state). Seconds and LM calls are totals over "
-            "the 120 lattices of a voice on this 2-core CPU; peak state memory is the largest over the lattices.",
+            "the 120 lattices of a voice on this 2-core CPU; peak LM state memory is the most held at once, "
+            "with up to 16 lattices expanded together.",
             "",
             "| voice | histories | lattice WER % | 50-best WER % (same weights) | expanded states | LM calls "
             "| seconds | peak LM state MiB |",
