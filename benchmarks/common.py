@@ -37,21 +37,6 @@ def command() -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
 
 
-def timeit(fn: Callable[[], object], repeats: int, sync: bool = False) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if sync:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def paired_medians(fa: Callable[[], object], fb: Callable[[], object], repeats: int, b_per_a: int = 1,
                    sync: bool = False) -> tuple[float, float]:
     """Median seconds of fa and of fb, timed alternately (one fa, then b_per_a fb calls)

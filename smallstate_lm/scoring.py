@@ -76,6 +76,11 @@ class Weights:
             raise ConfigError(f"{path}: bad weight value ({e})") from None
 
 
+def log_mix_weights(lam: float) -> tuple[float, float]:
+    """log(lam), log(1 - lam) for linear interpolation, with log 0 = -inf."""
+    return (math.log(lam) if lam > 0 else -math.inf, math.log1p(-lam) if lam < 1 else -math.inf)
+
+
 # ---------------------------------------------------------------------------------------
 # Neural scoring
 # ---------------------------------------------------------------------------------------

@@ -1,1 +1,1 @@
-"""N-best (and, later, lattice) rescoring."""
+"""N-best and lattice rescoring: readers/writers, score combination, expansion, WER, tuning."""

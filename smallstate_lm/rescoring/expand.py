@@ -15,7 +15,6 @@ search over that graph, never the LM.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections import defaultdict
@@ -26,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..ngram import NgramLM
-from ..scoring import Weights
+from ..scoring import Weights, log_mix_weights
 from ..vocab import EOS_ID, Vocabulary
 from .lattice import Lattice, LatticeWarning, SymbolTable
 
@@ -86,7 +85,7 @@ class ExpandedLattice:
     # ---- weights -> costs ------------------------------------------------------------
     def _lm_terms(self, w: Weights, nn, ng, is_word):
         if w.interpolation == "linear":
-            a, b = _log_mix_weights(w.lam)
+            a, b = log_mix_weights(w.lam)
             return w.lm_weight * np.where(is_word > 0, np.logaddexp(a + nn, b + ng), 0.0)
         return w.lm_weight * nn + w.ngram_weight * ng
 
@@ -196,11 +195,6 @@ class ExpandedLattice:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LatticeWarning)  # pruned branches end nowhere: trimming them is the point
             return lat.prepare()
-
-
-def _log_mix_weights(lam: float) -> tuple[float, float]:
-    """log(lam), log(1 - lam), with log 0 = -inf."""
-    return (math.log(lam) if lam > 0 else -math.inf, math.log1p(-lam) if lam < 1 else -math.inf)
 
 
 def _levels(lat: Lattice) -> np.ndarray:
@@ -336,7 +330,7 @@ class _Expansion:
                 else:
                     ng[i], ng_next[i] = ngram.score_word(n.ng_state, self.words_str[wd])
         if w.interpolation == "linear":
-            a, b = _log_mix_weights(w.lam)
+            a, b = log_mix_weights(w.lam)
             lm = w.lm_weight * np.logaddexp(a + nn, b + ng)
         else:
             lm = w.lm_weight * nn + w.ngram_weight * ng
