@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
-import tempfile
 import time
 import warnings
 from collections import defaultdict
@@ -33,7 +31,7 @@ from smallstate_lm.rescoring.lattice import (
     LatticeWarning,
     SymbolTable,
     read_fst_text,
-    read_slf,
+    read_slf_text,
 )
 from smallstate_lm.rescoring.nbest import Hypothesis, Utterance
 from smallstate_lm.rescoring.rescore import Components, apply_weights, compute_components
@@ -168,17 +166,7 @@ def parse_lattice(lat: LatticeIn, where: str, name: str, max_arcs: int) -> Latti
             parsed = read_fst_text(lat.data, symbols, name=data_field)
         else:
             _check_slf_counts(lat.data, data_field, max_arcs)
-            # read_slf reads files only; the text goes through a private temp file (never a client's path).
-            fd, path = tempfile.mkstemp(suffix=".slf", prefix="smallstate-")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(lat.data)
-                try:
-                    parsed = read_slf(path, symbols)
-                except LatticeFormatError as e:
-                    raise LatticeFormatError(str(e).replace(path, data_field)) from None
-            finally:
-                os.unlink(path)
+            parsed = read_slf_text(lat.data, symbols, name=data_field, lattice_name=name)
         if parsed.num_arcs > max_arcs:
             raise LimitError(f"the lattice has {parsed.num_arcs} arcs, more than {max_arcs} (max_lattice_arcs)",
                              data_field, max_arcs)

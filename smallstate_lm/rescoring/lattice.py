@@ -629,7 +629,14 @@ def _slf_text(path: Path) -> str:
 
 
 def read_slf(path: str | os.PathLike, symbols: SymbolTable | None = None) -> Lattice:
-    """Read an HTK Standard Lattice Format file (gzip or plain) into graph/acoustic costs.
+    """Read an HTK SLF file (gzip or plain); see `read_slf_text`. Errors name `file:line`."""
+    path = Path(path)
+    return read_slf_text(_slf_text(path), symbols, name=str(path), lattice_name=_stem(path))
+
+
+def read_slf_text(text: str, symbols: SymbolTable | None = None, name: str = "<text>",
+                  lattice_name: str | None = None) -> Lattice:
+    """Parse HTK Standard Lattice Format text into graph/acoustic costs; errors name `name:line`.
 
     - Nodes are states (`I=`); links are arcs (`J= S= E=`). A link's word is its own `W=`, else the
       `W=` of its end node. `!NULL`, `<s>`, `</s>`, `<sil>` and fillers are not words (`is_word` False):
@@ -641,10 +648,10 @@ def read_slf(path: str | os.PathLike, symbols: SymbolTable | None = None) -> Lat
       decoder's FST lattices, whose word arcs and final weights are -ln P + 0.06627.
     - The `end=` node (default: every node without outgoing links) is final with cost 0.
 
-    If `symbols` is None a table is built from the lattice's words. Errors name `file:line`.
+    If `symbols` is None a table is built from the lattice's words.
     """
-    path = Path(path)
-    lines = _slf_text(path).splitlines()
+    path = name  # what error messages call the source
+    lines = text.splitlines()
     header: dict[str, str] = {}
     header_line: dict[str, int] = {}
     N = L = None
@@ -769,7 +776,7 @@ def read_slf(path: str | os.PathLike, symbols: SymbolTable | None = None) -> Lat
     final = np.full(N, np.inf)
     final[ends] = 0.0
     return Lattice(
-        name=_stem(path), num_states=N, start=start,
+        name=lattice_name or _stem(Path(name)), num_states=N, start=start,
         src=np.asarray([s for _, s, *_ in links], dtype=np.int64),
         dst=np.asarray([e for _, _, e, *_ in links], dtype=np.int64),
         word=ids, graph=graph, acoustic=np.asarray([-a * to_ln for *_, a, _ in links], dtype=np.float64),
