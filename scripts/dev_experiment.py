@@ -9,6 +9,7 @@ first pass, n-gram, neural, neural + n-gram.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,11 @@ SYSTEMS = {
                "word_penalty": DEFAULT_GRID["word_penalty"]},
     "neural + n-gram": {"graph_scale": GRAPH, "lm_weight": DEFAULT_GRID["lm_weight"],
                         "ngram_weight": DEFAULT_GRID["ngram_weight"], "word_penalty": DEFAULT_GRID["word_penalty"]},
+    # per-word log(lam p_nn + (1 - lam) p_ng); tune() adds the lam grid
+    "neural + n-gram, linear": {"graph_scale": GRAPH, "lm_weight": DEFAULT_GRID["lm_weight"],
+                                "word_penalty": DEFAULT_GRID["word_penalty"]},
 }
+LINEAR = {"neural + n-gram, linear"}
 
 
 def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: float) -> dict:
@@ -54,7 +59,8 @@ def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: f
         total, weights = 0, []
         for k in range(2):
             tr, te = folds[k], folds[1 - k]
-            r = tune([utts[i] for i in tr], [comps[i] for i in tr], refs, base, grid)
+            b = dataclasses.replace(base, interpolation="linear") if name in LINEAR else base
+            r = tune([utts[i] for i in tr], [comps[i] for i in tr], refs, b, grid)
             weights.append(r.weights)
             for i in te:
                 total += int(errs[i][int(np.argmax(totals(comps[i], r.weights)))])
@@ -125,8 +131,9 @@ def main() -> None:
             f"{pct(k):.2f} ({-rel[k]:+.0f}%)" for k in SYSTEMS)
             + f" | {pct('oracle'):.2f} |")
         for k in SYSTEMS:
-            ws = "; ".join(", ".join(f"{f}={getattr(w, f):g}" for f in ("graph_scale", "lm_weight", "ngram_weight",
-                                                                           "word_penalty")) for w in r[k + " weights"])
+            fields = ("graph_scale", "lm_weight", "lam", "word_penalty") if k in LINEAR else (
+                "graph_scale", "lm_weight", "ngram_weight", "word_penalty")
+            ws = "; ".join(", ".join(f"{f}={getattr(w, f):g}" for f in fields) for w in r[k + " weights"])
             notes.append(f"- {voice}, {k}: fold weights {ws}")
         s = r["stats"]
         notes.append(f"- {voice}: {s.hypotheses} hypotheses, {s.tokens_total} neural tokens "
@@ -143,8 +150,8 @@ def main() -> None:
         "the word penalty tuned by grid + coordinate search. 2-fold: weights tuned on the even-numbered "
         "utterances score the odd ones and vice versa, so every WER below is on utterances the weights never saw.",
         "",
-        "| voice | first pass | n-gram | neural | neural + n-gram | 50-best oracle |",
-        "|---|---|---|---|---|---|",
+        "| voice | first pass | n-gram | neural | neural + n-gram | neural + n-gram, linear | 50-best oracle |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         "WER % (relative change from the first pass).",
