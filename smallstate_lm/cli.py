@@ -13,7 +13,7 @@ import typer
 
 from .errors import ConfigError, SmallstateError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Small-state Transformer LMs for ASR rescoring.")
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
