@@ -76,9 +76,19 @@ class Weights:
             raise ConfigError(f"{path}: bad weight value ({e})") from None
 
 
-def log_mix_weights(lam: float) -> tuple[float, float]:
-    """log(lam), log(1 - lam) for linear interpolation, with log 0 = -inf."""
-    return (math.log(lam) if lam > 0 else -math.inf, math.log1p(-lam) if lam < 1 else -math.inf)
+def log_mix(lam: float, nn, ng):
+    """Per-token log(lam * p_nn + (1 - lam) * p_ng) from natural-log probabilities (log 0 = -inf)."""
+    a = math.log(lam) if lam > 0 else -math.inf
+    b = math.log1p(-lam) if lam < 1 else -math.inf
+    return np.logaddexp(a + nn, b + ng)
+
+
+def lm_score(w: Weights, nn, ng):
+    """The weighted LM contribution of per-token (or per-hypothesis) neural and n-gram
+    log-probs: log-linear, or per-token linear interpolation scaled by lm_weight."""
+    if w.interpolation == "linear":
+        return w.lm_weight * log_mix(w.lam, nn, ng)
+    return w.lm_weight * nn + w.ngram_weight * ng
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..ngram import NgramLM
-from ..scoring import Weights, log_mix_weights
+from ..scoring import Weights, lm_score
 from ..vocab import EOS_ID, Vocabulary
 from .lattice import Lattice, LatticeWarning, SymbolTable
 
@@ -84,10 +84,8 @@ class ExpandedLattice:
 
     # ---- weights -> costs ------------------------------------------------------------
     def _lm_terms(self, w: Weights, nn, ng, is_word):
-        if w.interpolation == "linear":
-            a, b = log_mix_weights(w.lam)
-            return w.lm_weight * np.where(is_word > 0, np.logaddexp(a + nn, b + ng), 0.0)
-        return w.lm_weight * nn + w.ngram_weight * ng
+        # epsilon arcs carry no LM term (their nn = ng = 0 already give 0; the mask makes it explicit)
+        return np.where(is_word > 0, lm_score(w, nn, ng), 0.0)
 
     def arc_costs(self, w: Weights) -> np.ndarray:
         total = (-w.am_scale * self.acoustic - w.graph_scale * self.graph + self._lm_terms(w, self.nn, self.ng,
@@ -329,11 +327,7 @@ class _Expansion:
                     ng[i] = ngram.score_eos(n.ng_state)
                 else:
                     ng[i], ng_next[i] = ngram.score_word(n.ng_state, self.words_str[wd])
-        if w.interpolation == "linear":
-            a, b = log_mix_weights(w.lam)
-            lm = w.lm_weight * np.logaddexp(a + nn, b + ng)
-        else:
-            lm = w.lm_weight * nn + w.ngram_weight * ng
+        lm = lm_score(w, nn, ng)
         for n in self.live:
             if np.isfinite(lat.final_graph[n.lat]):
                 i = self.step_of[(n.idx, -1)]

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..errors import ConfigError, SmallstateError
 from ..ngram import NgramLM
-from ..scoring import NeuralScorer, Weights, check_overlap, log_mix_weights
+from ..scoring import NeuralScorer, Weights, check_overlap, log_mix
 from .nbest import Utterance
 
 COMPONENTS = ("am", "graph", "neural", "ngram", "n_words", "n_oov")
@@ -45,8 +45,7 @@ def linear_lm(c: Components, lam: float) -> np.ndarray:
     """sum_t log(lam p_nn + (1 - lam) p_ng) per hypothesis."""
     if c.neural_tok is None or c.ngram_tok is None:
         raise ConfigError("linear interpolation needs both a neural LM (--lm) and an n-gram (--ngram)")
-    a, b = log_mix_weights(lam)
-    return np.array([np.logaddexp(a + nn, b + ng).sum() for nn, ng in zip(c.neural_tok, c.ngram_tok)])
+    return np.array([log_mix(lam, nn, ng).sum() for nn, ng in zip(c.neural_tok, c.ngram_tok)])
 
 
 def totals(c: Components, w: Weights) -> np.ndarray:
