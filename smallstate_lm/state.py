@@ -51,6 +51,41 @@ class LMState:
             raise ValueError(f"select() takes a 1-D index, got shape {tuple(index.shape)}")
         return self.map_tensors(lambda t: t.index_select(0, index))
 
+    @classmethod
+    def cat(cls, states: list[LMState]) -> LMState:
+        """Stack states along the batch. This default needs every tensor to have the
+        same shape beyond the batch (fixed-size states such as (h, c)); states whose
+        history length varies override it."""
+        if len(states) == 1:
+            return states[0]
+        first = states[0]
+        changes = {}
+        for f in dataclasses.fields(first):
+            vals = [getattr(st, f.name) for st in states]
+            if isinstance(vals[0], Tensor):
+                changes[f.name] = torch.cat(vals)
+            elif isinstance(vals[0], (list, tuple)) and vals[0] and isinstance(vals[0][0], Tensor):
+                changes[f.name] = type(vals[0])(torch.cat(ts) for ts in zip(*vals))
+        return dataclasses.replace(first, **changes)
+
+    @classmethod
+    def assemble(cls, pieces: list[tuple[LMState, Tensor, Tensor]], n_rows: int) -> LMState:
+        """Row dst[i] of the result = row src[i] of that piece's state, for each
+        (state, src, dst) piece; every destination row in [0, n_rows) is filled once."""
+        dst = torch.cat([d for _, _, d in pieces])
+        if dst.numel() != n_rows or bool((torch.sort(dst).values != torch.arange(n_rows, device=dst.device)).any()):
+            raise ValueError(f"assemble() destinations must cover rows 0..{n_rows - 1} exactly once")
+        stacked = cls.cat([st.select(src) for st, src, _ in pieces])
+        return stacked.select(torch.argsort(dst))
+
+    def compact(self) -> LMState:
+        """The same state with padding that no row needs removed; identity by default."""
+        return self
+
+    def detach(self) -> LMState:
+        """Cut the autograd graph (carried states in stream training)."""
+        return self.map_tensors(lambda t: t.detach())
+
     def to(self, device: torch.device | str) -> LMState:
         return self.map_tensors(lambda t: t.to(device))
 
@@ -131,3 +166,82 @@ def check_tokens(tokens: Tensor, state: LMState, vocab_size: int, lengths: Tenso
 def length_mask(lengths: Tensor, T: int) -> Tensor:
     """(B,) lengths -> (B, T) bool, True where t < length."""
     return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
+
+
+# ---- right-aligned caches ------------------------------------------------------------
+# Models whose attention depends on distance (relative positions, spans) keep each row's
+# cached history as a suffix of the time axis: padding only on the left. The newest key
+# then always sits right before the current query, so distances are exact for every row
+# of a padded batch. Time is dim 1 of every cached tensor: (B, S, ...).
+
+
+def left_pad_time(t: Tensor, S: int, value: float = 0.0) -> Tensor:
+    """(B, s, ...) -> (B, S, ...) with S - s columns of `value` in front."""
+    extra = S - t.shape[1]
+    if extra == 0:
+        return t
+    pad = t.new_full((t.shape[0], extra, *t.shape[2:]), value)
+    return torch.cat([pad, t], 1)
+
+
+def right_align(tensors: list[Tensor], mask: Tensor) -> tuple[list[Tensor], Tensor]:
+    """Move each row's valid columns (mask True) to the end of the time axis, keeping
+    their order. tensors: each (B, S, ...); mask: (B, S) bool. Returns the reordered
+    tensors and mask."""
+    if bool(mask.all()):
+        return tensors, mask
+    order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)  # (B, S): invalid first, then valid in order
+    out = []
+    for t in tensors:
+        idx = order.view(*order.shape, *([1] * (t.dim() - 2))).expand_as(t)
+        out.append(t.gather(1, idx))
+    return out, mask.gather(1, order)
+
+
+def keep_last(tensors: list[Tensor], mask: Tensor | None, n: int) -> tuple[list[Tensor], Tensor | None]:
+    """The last `n` columns of right-aligned caches (a memory cap or a span)."""
+    if tensors and tensors[0].shape[1] > n:
+        tensors = [t[:, t.shape[1] - n:] for t in tensors]
+        mask = None if mask is None else mask[:, mask.shape[1] - n:]
+    return tensors, mask
+
+
+def drop_empty_columns(tensors: list[Tensor], mask: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
+    """Cut the leading columns that are padding in every row of right-aligned caches."""
+    if mask is None:
+        return tensors, None
+    if bool(mask.all()):
+        return tensors, None
+    n = int(mask.sum(1).max()) if mask.numel() else 0
+    tensors, mask = keep_last(tensors, mask, n)
+    return tensors, (None if bool(mask.all()) else mask)
+
+
+def cat_right_aligned(parts: list[tuple[list[Tensor], Tensor | None]]) -> tuple[list[Tensor], Tensor | None]:
+    """Stack right-aligned caches along the batch, left-padding shorter histories.
+    parts: per state, (its cached tensors (B_i, S_i, ...), its mask (B_i, S_i) or None)."""
+    S = max(ts[0].shape[1] for ts, _ in parts)
+    n = len(parts[0][0])
+    tensors = [torch.cat([left_pad_time(ts[i], S) for ts, _ in parts]) for i in range(n)]
+    masks = []
+    for ts, m in parts:
+        B, s = ts[0].shape[0], ts[0].shape[1]
+        m = m if m is not None else torch.ones(B, s, dtype=torch.bool, device=ts[0].device)
+        masks.append(left_pad_time(m, S, False))
+    mask = torch.cat(masks)
+    return tensors, (None if bool(mask.all()) else mask)
+
+
+def append_right_aligned(old: list[Tensor], old_mask: Tensor | None, new: list[Tensor],
+                         lengths: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
+    """Append T new columns per row (only the first lengths[b] of row b are real) to
+    right-aligned caches and re-align. old: (B, S, ...), new: (B, T, ...)."""
+    tensors = [torch.cat([o, n], 1) for o, n in zip(old, new)]
+    if old_mask is None and lengths is None:
+        return tensors, None
+    B, S, T = new[0].shape[0], old[0].shape[1], new[0].shape[1]
+    dev = new[0].device
+    om = old_mask if old_mask is not None else torch.ones(B, S, dtype=torch.bool, device=dev)
+    nm = length_mask(lengths, T) if lengths is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
+    tensors, mask = right_align(tensors, torch.cat([om, nm], 1))
+    return drop_empty_columns(tensors, mask)

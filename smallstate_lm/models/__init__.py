@@ -5,11 +5,23 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import ConfigError
+from .active_memory import ActiveMemoryLM
+from .adaptive_span import AdaptiveSpanLM
+from .all_attention import AllAttentionLM
 from .config import PRESETS, ModelConfig, get_preset
+from .feedback import FeedbackLM
+from .lstm import LSTMLM
 from .transformer import TransformerLM, TransformerState
+from .transformer_xl import TransformerXLLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "transformer": TransformerLM,
+    "transformer_xl": TransformerXLLM,
+    "adaptive_span": AdaptiveSpanLM,
+    "feedback": FeedbackLM,
+    "all_attention": AllAttentionLM,
+    "active_memory": ActiveMemoryLM,
+    "lstm": LSTMLM,
 }
 
 

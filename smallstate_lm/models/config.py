@@ -13,9 +13,13 @@ from typing import Literal
 from ..errors import ConfigError
 
 
+ARCHS = ("transformer", "transformer_xl", "adaptive_span", "feedback", "all_attention", "active_memory", "lstm")
+
+
 @dataclass
 class ModelConfig:
-    arch: Literal["transformer"] = "transformer"
+    arch: Literal["transformer", "transformer_xl", "adaptive_span", "feedback", "all_attention",
+                  "active_memory", "lstm"] = "transformer"
     vocab_size: int = 0  # filled in from the vocabulary at training time
     d_model: int = 768
     n_heads: int = 12
@@ -31,6 +35,20 @@ class ModelConfig:
     adaptive_cutoffs: list[int] = field(default_factory=list)  # adaptive softmax cluster edges
     layer_norm_eps: float = 1e-5
     bias: bool = True  # biases in attention and feed-forward projections (every preset sets False)
+    # transformer_xl: memory positions kept per layer; feedback: memory positions kept
+    # (0 = unbounded, allowed for feedback only)
+    mem_len: int = 0
+    # adaptive_span (and all_attention's optional span on its context): maximum span S,
+    # ramp length R, span-loss coefficient, initial span as a fraction of S
+    span_max: int = 0
+    span_ramp: int = 32
+    span_loss: float = 2e-6
+    span_init: float = 0.0
+    feedback_shared_kv: bool = True  # feedback: one K/V projection of the memory for all layers
+    n_persistent: int = 0  # all_attention: persistent key/value vectors per head
+    mixer: Literal["conv", "persistent_conv", "highway_conv", "cgru"] = "conv"  # active_memory
+    mix_attention: bool = False  # active_memory: self-attention + the mixer, summed ("SA + conv")
+    conv_kernel: int = 20  # active_memory: kernel width k (state keeps k-1 inputs per layer)
 
     def __post_init__(self):
         self.validate(allow_unset_vocab=True)
@@ -42,14 +60,21 @@ class ModelConfig:
     @property
     def name(self) -> str:
         kv = "-sharedkv" if self.shared_kv else ""
-        return f"{self.n_layers}L-{self.ff_per_layer}F{kv}"
+        shape = f"{self.n_layers}L-{self.ff_per_layer}F{kv}"
+        if self.arch == "transformer":
+            return shape
+        if self.arch == "active_memory":
+            return f"{'sa+' if self.mix_attention else ''}{self.mixer.replace('_', '-')} {shape}"
+        if self.arch == "lstm":
+            return f"lstm {self.n_layers}x{self.d_model}"
+        return f"{self.arch.replace('_', '-')} {shape}"
 
     def validate(self, allow_unset_vocab: bool = False) -> None:
         def need(cond: bool, msg: str):
             if not cond:
                 raise ConfigError(msg)
 
-        need(self.arch == "transformer", f"unknown arch {self.arch!r}")
+        need(self.arch in ARCHS, f"unknown arch {self.arch!r}; choose one of: {', '.join(ARCHS)}")
         need(allow_unset_vocab or self.vocab_size > 3, f"vocab_size must be > 3, got {self.vocab_size}")
         for name in ("d_model", "n_heads", "n_layers", "d_ff"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
@@ -59,6 +84,21 @@ class ModelConfig:
         need(self.d_embed is None or self.d_embed >= 1, f"d_embed must be >= 1, got {self.d_embed}")
         need(0.0 <= self.dropout < 1.0, f"dropout must lie in [0, 1), got {self.dropout}")
         need(self.pos == "none", f"pos must be 'none', got {self.pos!r}")
+        for name in ("mem_len", "span_max", "n_persistent"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.arch == "transformer_xl":
+            need(self.mem_len >= 1, f"transformer_xl needs mem_len >= 1, got {self.mem_len}")
+        if self.arch == "adaptive_span":
+            need(self.span_max >= 1, f"adaptive_span needs span_max >= 1, got {self.span_max}")
+        if self.arch in ("adaptive_span", "all_attention") and self.span_max:
+            need(self.span_ramp >= 1, f"span_ramp must be >= 1, got {self.span_ramp}")
+            need(0.0 <= self.span_init <= 1.0, f"span_init must lie in [0, 1], got {self.span_init}")
+        if self.arch == "all_attention":
+            need(self.n_persistent >= 1, f"all_attention needs n_persistent >= 1, got {self.n_persistent}")
+        if self.arch == "active_memory":
+            need(self.mixer in ("conv", "persistent_conv", "highway_conv", "cgru"),
+                 f"mixer must be conv, persistent_conv, highway_conv or cgru, got {self.mixer!r}")
+            need(self.conv_kernel >= 2, f"conv_kernel must be >= 2, got {self.conv_kernel}")
         need(self.softmax in ("full", "adaptive"), f"softmax must be 'full' or 'adaptive', got {self.softmax!r}")
         if self.softmax == "adaptive":
             need(not self.tie_embeddings, "adaptive softmax cannot tie embeddings; set tie_embeddings=False")
@@ -102,6 +142,29 @@ PRESETS: dict[str, ModelConfig] = {
     # For tests and the demo: trains in minutes on a laptop CPU.
     "tiny": ModelConfig(n_layers=2, ff_per_layer=2, d_model=64, n_heads=4, d_ff=256, d_embed=64, bias=False),
 }
+
+# Alternative backends and baselines at the `small` budget (4 x d 256, 128-dim embeddings),
+# so one CPU command line compares them with only the preset changed.
+_SMALL = dict(n_layers=4, ff_per_layer=2, d_model=256, n_heads=4, d_ff=1024, d_embed=128, bias=False)
+PRESETS.update({
+    "xl-small": ModelConfig(arch="transformer_xl", mem_len=64, **_SMALL),
+    "span-small": ModelConfig(arch="adaptive_span", span_max=128, span_ramp=16, **_SMALL),
+    "feedback-small": ModelConfig(arch="feedback", mem_len=0, **_SMALL),
+    # No feed-forward sublayers: persistent vectors take their place (and their parameters).
+    "allatt-small": ModelConfig(arch="all_attention", **{**_SMALL, "n_layers": 8, "ff_per_layer": 0},
+                                n_persistent=128),
+    "conv-small": ModelConfig(arch="active_memory", mixer="conv", **_SMALL),
+    "pconv-small": ModelConfig(arch="active_memory", mixer="persistent_conv", **_SMALL),
+    "hconv-small": ModelConfig(arch="active_memory", mixer="highway_conv", **_SMALL),
+    "cgru-small": ModelConfig(arch="active_memory", mixer="cgru", **_SMALL),
+    "sa-conv-small": ModelConfig(arch="active_memory", mixer="conv", mix_attention=True, **_SMALL),
+    "sa-pconv-small": ModelConfig(arch="active_memory", mixer="persistent_conv", mix_attention=True, **_SMALL),
+    "sa-hconv-small": ModelConfig(arch="active_memory", mixer="highway_conv", mix_attention=True, **_SMALL),
+    "sa-cgru-small": ModelConfig(arch="active_memory", mixer="cgru", mix_attention=True, **_SMALL),
+    # 2 x 512 LSTM over 128-dim embeddings, output projected back to 128 and tied.
+    "lstm-small": ModelConfig(arch="lstm", n_layers=2, ff_per_layer=0, d_model=512, n_heads=1, d_ff=1,
+                              d_embed=128, bias=True),
+})
 
 
 def get_preset(name: str) -> ModelConfig:
