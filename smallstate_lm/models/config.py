@@ -12,7 +12,6 @@ from typing import Literal
 
 from ..errors import ConfigError
 
-
 ARCHS = ("transformer", "transformer_xl", "adaptive_span", "feedback", "all_attention", "active_memory", "lstm")
 
 
