@@ -47,7 +47,9 @@ def train(
     train: Path = typer.Option(..., "--train", help="Training text, one sentence per line."),
     valid: Path = typer.Option(..., "--valid", help="Validation text for perplexity and early stopping."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory to create (or continue with --resume)."),
-    preset: str = typer.Option("tiny", help="Model preset: 8L-3F, 8L-3F-sharedkv, 32L-1F, small, tiny."),
+    preset: str = typer.Option("tiny", help="Model preset: 8L-3F, 8L-3F-sharedkv, 32L-1F, small, tiny, "
+                               "xl-small, span-small, feedback-small, allatt-small, conv-small, pconv-small, "
+                               "hconv-small, cgru-small, sa-conv-small, lstm-small, ..."),
     set_: List[str] = typer.Option([], "--set", help="Model config override key=value, repeatable "
                                    "(e.g. --set shared_kv=true --set dropout=0.2)."),
     optimizer: str = typer.Option("adamw", help="adamw (warmup + cosine) or sgd (newbob)."),
@@ -70,6 +72,9 @@ def train(
     resume: bool = typer.Option(False, help="Continue the run in --out from its last.pt."),
     init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights, vocabulary and "
                                              "config (a new run with a fresh optimizer and schedule)."),
+    vocab_from: Optional[Path] = typer.Option(None, help="Use this run directory's (or vocab.txt's) vocabulary."),
+    stream: bool = typer.Option(False, help="Train on running text: consecutive --max-len segments with the "
+                                "state carried across (models with bounded state: xl-small, span-small, ...)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
 ):
@@ -84,7 +89,8 @@ def train(
         max_minutes=max_minutes, stop_after=stop_after, batch_tokens=batch_tokens, max_len=max_len,
         clip=clip, valid_every=valid_every, patience=patience, seed=seed, min_count=min_count,
         max_vocab=max_vocab, lowercase=lowercase, device=device, resume=resume, progress=not quiet,
-        init_from=str(init_from) if init_from else None,
+        init_from=str(init_from) if init_from else None, vocab_from=str(vocab_from) if vocab_from else None,
+        stream=stream,
     )
     existed = out.exists()
     try:
@@ -122,6 +128,10 @@ def eval_(
     typer.echo(f"speed            {r['tokens_per_second']:,.0f} tokens/s on {r['device']}")
     typer.echo(f"state/position   {r['state_numel_per_position']:,} numbers, "
                f"{r['state_bytes_per_position']:,} bytes")
+    if r["state_numel_fixed"]:
+        typer.echo(f"state/row        {r['state_numel_fixed']:,} numbers that do not grow with the history")
+    for key, value in r["model_report"].items():
+        typer.echo(f"{key:<16} {value}")
 
 
 REPO_LATTICES = Path(__file__).resolve().parent.parent / "lattices"

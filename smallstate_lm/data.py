@@ -109,10 +109,43 @@ class BucketBatcher:
         idx = self.batches[self.epoch_order(epoch)[k]]
         return epoch, [self.seqs[i] for i in idx]
 
+    def batch_ids(self, step: int) -> list[int]:
+        """Indices into `seqs` of the batch for global step `step`, in row order."""
+        epoch, k = divmod(step, len(self.batches))
+        return self.batches[self.epoch_order(epoch)[k]]
+
     def iter_from(self, step: int) -> Iterator[tuple[int, list[list[int]]]]:
         while True:
             yield self.batch(step)
             step += 1
+
+
+class StreamBatcher:
+    """Running text for stream training: every sequence concatenated, cut into
+    `n_streams` contiguous streams, each read `seg_len` tokens at a time, so step k's
+    row b continues step k-1's row b (the trainer carries the model state across).
+    Segment 0 of each epoch starts from a fresh state."""
+
+    def __init__(self, seqs: Sequence[Sequence[int]], batch_tokens: int, seg_len: int):
+        if seg_len < 1:
+            raise DataError(f"segment length must be >= 1, got {seg_len}")
+        flat = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long)
+        self.n_streams = max(1, batch_tokens // seg_len)
+        self.seg_len = seg_len
+        per_stream = len(flat) // self.n_streams
+        self.n_segments = per_stream // seg_len
+        if self.n_segments < 1:
+            raise DataError(f"training text ({len(flat)} tokens) is too short for {self.n_streams} streams "
+                            f"of {seg_len}-token segments; lower --batch-tokens or --max-len")
+        self.data = flat[: self.n_streams * per_stream].view(self.n_streams, per_stream)  # (B, L)
+
+    def __len__(self) -> int:
+        return self.n_segments
+
+    def batch(self, step: int) -> tuple[int, int, Tensor]:
+        """-> (epoch, segment index within the epoch, tokens (n_streams, seg_len))."""
+        epoch, k = divmod(step, self.n_segments)
+        return epoch, k, self.data[:, k * self.seg_len : (k + 1) * self.seg_len]
 
 
 def eval_batches(seqs: Sequence[Sequence[int]], batch_tokens: int) -> Iterator[list[Sequence[int]]]:

@@ -14,15 +14,17 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from .checkpoint import LAST_FILE, MODEL_FILE, read_checkpoint, save_checkpoint
-from .data import BucketBatcher, encode_sentences, pad_batch, perplexity, read_sentences, split_long
+from .data import BucketBatcher, StreamBatcher, encode_sentences, pad_batch, perplexity, read_sentences, split_long
 from .errors import ConfigError
 from .evaluate import score_corpus
 from .models import ModelConfig, build_model, count_parameters, get_preset
@@ -58,6 +60,10 @@ class TrainConfig:
     device: str = "auto"
     resume: bool = False
     init_from: str | None = None  # start from this checkpoint's weights, vocabulary and config (continued training)
+    vocab_from: str | None = None  # a run directory or vocab.txt whose vocabulary to use (e.g. a teacher's)
+    # Stream mode: consecutive max_len-token segments of running text, the model state
+    # carried (detached) from one segment to the next; needs a model with bounded history.
+    stream: bool = False
     progress: bool = True
 
 
@@ -67,6 +73,90 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available")
     return torch.device(name)
+
+
+class Distributed:
+    """Data-parallel context from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
+
+    Every rank builds the same global batch; rank r trains on rows r, r+N, ... of it, and
+    its loss is scaled so that DistributedDataParallel's gradient average equals the
+    gradient of the global batch's mean token loss: one process at the same global batch
+    computes the same update. Rank 0 alone validates, logs and writes checkpoints, and
+    broadcasts what the others must agree on (validation perplexity, the clock).
+    """
+
+    def __init__(self, device: torch.device):
+        import os
+
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = device
+        if self.world > 1:
+            import torch.distributed as tdist
+
+            if device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+            if not tdist.is_initialized():
+                tdist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, rows: list) -> list:
+        return rows[self.rank :: self.world]
+
+    def broadcast(self, value: float) -> float:
+        """Rank 0's value, on every rank."""
+        if not self.enabled:
+            return value
+        import torch.distributed as tdist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        tdist.broadcast(t, 0)
+        return float(t.item())
+
+    def all_sum(self, value: float) -> float:
+        if not self.enabled:
+            return value
+        import torch.distributed as tdist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(t)
+        return float(t.item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as tdist
+
+            tdist.barrier()
+
+    def close(self) -> None:
+        if self.enabled:
+            import torch.distributed as tdist
+
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+
+
+class _ScoreLoss(nn.Module):
+    """The model's summed token log-prob as a `forward`, which is what
+    DistributedDataParallel hooks into to synchronise gradients."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor, lengths: Tensor | None, state=None):
+        if state is None:
+            state = self.model.initial_state(tokens.shape[0], tokens.device)
+        logp, new_state = self.model.score(tokens, state, lengths)
+        return logp.sum(), new_state
 
 
 class _Schedule:
@@ -91,14 +181,41 @@ class _Schedule:
         return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train(tc: TrainConfig) -> dict:
-    """Train and return a summary dict (best validation perplexity, steps, paths)."""
+# (model, tokens (B, T), lengths (B,), indices of the batch's training sequences) ->
+# (loss: mean per real token, number of real tokens). Replaces the cross-entropy.
+LossFn = Callable[[nn.Module, Tensor, Tensor, list], tuple[Tensor, int]]
+
+
+def load_vocabulary(path: str | Path) -> Vocabulary:
+    """A vocabulary from a run directory (its vocab.txt) or a vocab.txt file."""
+    p = Path(path)
+    p = p / "vocab.txt" if p.is_dir() else p
+    if not p.is_file():
+        raise ConfigError(f"{path}: no vocabulary there (expected a run directory with vocab.txt, or a vocab.txt)")
+    return Vocabulary.load(p)
+
+
+def train(tc: TrainConfig, loss_fn: LossFn | None = None) -> dict:
+    """Train and return a summary dict (best validation perplexity, steps, paths).
+
+    `loss_fn` replaces the plain cross-entropy (distillation); it sees every batch of
+    sentence mode and is not available in stream mode."""
     if tc.optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"optimizer must be 'adamw' or 'sgd', got {tc.optimizer!r}")
     if tc.valid_every < 1:
         raise ConfigError(f"valid_every must be >= 1, got {tc.valid_every}")
     out = Path(tc.out)
-    device = pick_device(tc.device)
+    dist = Distributed(pick_device(tc.device))
+    try:
+        return _train(tc, loss_fn, out, dist)
+    finally:
+        dist.close()
+
+
+def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed) -> dict:
+    device = dist.device
+    if dist.enabled and loss_fn is not None:
+        raise ConfigError("distillation runs in one process; start it without torchrun")
 
     resume_obj = None
     if tc.resume:
@@ -119,18 +236,32 @@ def train(tc: TrainConfig) -> dict:
         if init_obj is not None and tc.overrides:
             cfg = cfg.replace(**tc.overrides)
     else:
-        vocab = Vocabulary.build(train_sents, tc.min_count, tc.max_vocab, tc.lowercase)
+        vocab = (load_vocabulary(tc.vocab_from) if tc.vocab_from
+                 else Vocabulary.build(train_sents, tc.min_count, tc.max_vocab, tc.lowercase))
         cfg = get_preset(tc.preset).replace(**tc.overrides, vocab_size=len(vocab))
     cfg.validate()
     train_seqs = split_long(encode_sentences(train_sents, vocab), tc.max_len)
     valid_stats = EncodeStats()
     valid_seqs = encode_sentences(valid_sents, vocab, valid_stats)
-    batcher = BucketBatcher(train_seqs, tc.batch_tokens, tc.seed)
     if max(len(s) for s in train_seqs) > tc.batch_tokens:
         raise ConfigError(f"batch_tokens ({tc.batch_tokens}) is smaller than max_len ({tc.max_len})")
+    if tc.stream and loss_fn is not None:
+        raise ConfigError("stream mode cannot be combined with a custom loss (distillation)")
+    batcher = (StreamBatcher(encode_sentences(train_sents, vocab), tc.batch_tokens, tc.max_len) if tc.stream
+               else BucketBatcher(train_seqs, tc.batch_tokens, tc.seed))
 
     torch.manual_seed(tc.seed)
     model = build_model(cfg).to(device)
+    if tc.stream and getattr(model, "max_history", None) is None:
+        raise ConfigError(f"stream mode needs a model whose state is bounded (e.g. xl-small, span-small); "
+                          f"{cfg.name} keeps its whole history")
+    aux_loss = getattr(model, "aux_loss", None)
+    after_step = getattr(model, "after_step", None)
+    scorer: nn.Module = _ScoreLoss(model)
+    if dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        scorer = DistributedDataParallel(scorer, device_ids=[device.index] if device.type == "cuda" else None)
     lr = tc.lr if tc.lr is not None else (1e-3 if tc.optimizer == "adamw" else 1.0)
     if tc.optimizer == "adamw":
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -160,17 +291,21 @@ def train(tc: TrainConfig) -> dict:
         torch.set_rng_state(resume_obj["rng"])
         if device.type == "cuda" and "cuda_rng" in resume_obj:
             torch.cuda.set_rng_state(resume_obj["cuda_rng"])
-    else:
+    elif dist.main:
         out.mkdir(parents=True, exist_ok=True)
         vocab.save(out / "vocab.txt")
+    dist.barrier()  # every rank has passed the "already holds a run" check before rank 0 writes more
 
-    log_f = open(out / "train_log.jsonl", "a", encoding="utf-8")
+    log_f = open(out / "train_log.jsonl", "a", encoding="utf-8") if dist.main else None
 
     def log(rec: dict):
-        log_f.write(json.dumps(rec) + "\n")
-        log_f.flush()
+        if log_f is not None:
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
 
     def save_last():
+        if not dist.main:
+            return
         extra = {
             "optimizer": opt.state_dict(),
             "progress": {"step": step, "best_valid_ppl": best, "bad_evals": bad_evals,
@@ -186,33 +321,60 @@ def train(tc: TrainConfig) -> dict:
                 else contextlib.nullcontext())
     if resume_obj is None:
         log({"event": "start", "params": count_parameters(model), "config": cfg.to_dict(),
-             "train_sentences": len(train_sents), "vocab_size": len(vocab), "batches_per_epoch": len(batcher)})
+             "train_sentences": len(train_sents), "vocab_size": len(vocab), "batches_per_epoch": len(batcher),
+             "processes": dist.world})
     t_start = time.perf_counter()
     elapsed = elapsed_before
     # With only a time budget the step count is unknown: the bar then just counts.
-    bar = tqdm(total=None if total_steps is None else max_steps, initial=step, disable=not tc.progress, unit="step",
-               dynamic_ncols=True)
+    bar = tqdm(total=None if total_steps is None else max_steps, initial=step, unit="step",
+               disable=not (tc.progress and dist.main), dynamic_ncols=True)
     tok_window, t_window = 0, time.perf_counter()
     stop_reason = "max_steps"
+    tokens_seen, step_seconds = 0, 0.0  # this process's training throughput, validation excluded
+    carried = None  # stream mode: the state after the previous segment (resume starts afresh)
     model.train()
     while step < max_steps:
-        epoch, batch = batcher.batch(step)
-        tokens, lengths = pad_batch(batch, device)
+        t_step = time.perf_counter()
         f = sched.factor(step, elapsed / 60)
         for g in opt.param_groups:
             g["lr"] = lr * f
         with autocast:
-            logp, _ = model.score(tokens, model.initial_state(len(batch), device), lengths)
-        n_tok = int(lengths.sum())
-        loss = -logp.sum() / n_tok
+            if tc.stream:
+                epoch, seg, tokens = batcher.batch(step)
+                n_tok = tokens.numel()
+                tokens = tokens[dist.rank :: dist.world].to(device)
+                if seg == 0 or carried is None:
+                    carried = model.initial_state(tokens.shape[0], device)
+                lp_sum, carried = scorer(tokens, None, carried)
+                carried = carried.detach()
+                loss = -lp_sum * (dist.world / n_tok)
+            elif loss_fn is not None:
+                epoch, batch = batcher.batch(step)
+                tokens, lengths = pad_batch(batch, device)
+                loss, n_tok = loss_fn(model, tokens, lengths, batcher.batch_ids(step))
+            else:
+                epoch, batch = batcher.batch(step)
+                n_tok = sum(len(b) for b in batch)
+                mine = dist.shard(batch)
+                # A rank without rows still joins the gradient average, with a zero loss.
+                weight = dist.world / n_tok if mine else 0.0
+                tokens, lengths = pad_batch(mine or batch[:1], device)
+                lp_sum, _ = scorer(tokens, lengths)
+                loss = -lp_sum * weight
+            total = loss + aux_loss() if aux_loss is not None else loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         if tc.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip)
         opt.step()
+        if after_step is not None:
+            after_step()
         step += 1
+        tokens_seen += n_tok
+        step_seconds += time.perf_counter() - t_step
         elapsed = elapsed_before + time.perf_counter() - t_start
-        loss_v = loss.item()
+        # the global batch's mean token loss, identical on every rank
+        loss_v = dist.all_sum(loss.item()) / dist.world if dist.enabled and loss_fn is None else loss.item()
         if not math.isfinite(loss_v):
             raise ConfigError(f"training diverged at step {step} (loss {loss_v}); lower --lr")
         log({"step": step, "epoch": epoch, "loss": loss_v, "lr": lr * f, "tokens": n_tok})
@@ -226,21 +388,27 @@ def train(tc: TrainConfig) -> dict:
 
         last_step = step >= max_steps
         timed_out = tc.max_minutes is not None and elapsed >= tc.max_minutes * 60
+        if dist.enabled and tc.max_minutes is not None:
+            timed_out = dist.broadcast(float(timed_out)) > 0  # rank 0's clock decides for all
         interrupted = tc.stop_after is not None and step >= tc.stop_after
         if step % tc.valid_every == 0 or last_step or timed_out or interrupted:
-            lp, n = score_corpus(model, valid_seqs, device=device)
-            ppl = perplexity(lp, n)
+            if dist.main:
+                lp, n = score_corpus(model, valid_seqs, device=device)
+                ppl = perplexity(lp, n)
+            ppl = dist.broadcast(ppl if dist.main else 0.0)
             improved = ppl < best
             if tc.optimizer == "sgd" and math.isfinite(best) and (best - ppl) / best < tc.newbob_threshold:
                 sched.newbob *= tc.newbob_factor
             if improved:
                 best, bad_evals = ppl, 0
-                save_checkpoint(out / MODEL_FILE, model, vocab, step=step, valid_ppl=ppl)
+                if dist.main:
+                    save_checkpoint(out / MODEL_FILE, model, vocab, step=step, valid_ppl=ppl)
             else:
                 bad_evals += 1
             log({"event": "valid", "step": step, "valid_ppl": ppl, "best_valid_ppl": best,
                  "elapsed_seconds": elapsed})
-            bar.write(f"step {step}: valid ppl {ppl:.2f} (best {best:.2f})")
+            if dist.main:
+                bar.write(f"step {step}: valid ppl {ppl:.2f} (best {best:.2f})")
             save_last()
             if tc.patience and bad_evals >= tc.patience:
                 stop_reason = "early_stopping"
@@ -252,10 +420,12 @@ def train(tc: TrainConfig) -> dict:
                 stop_reason = "stop_after"
                 break
     bar.close()
-    log_f.close()
+    if log_f is not None:
+        log_f.close()
     return {"out": str(out), "steps": step, "best_valid_ppl": best, "stop_reason": stop_reason,
             "elapsed_seconds": elapsed, "parameters": count_parameters(model),
             "state_numel_per_position": model.state_numel_per_position(),
+            "train_tokens_per_second": tokens_seen / step_seconds if step_seconds else None,
             "valid_oov_rate": valid_stats.oov_rate}
 
 
@@ -264,3 +434,12 @@ def remove_incomplete_run(out: Path) -> None:
     if out.is_dir() and not (out / MODEL_FILE).exists() and not (out / LAST_FILE).exists():
         shutil.rmtree(out, ignore_errors=True)
 
+
+
+if __name__ == "__main__":
+    # `torchrun --nproc_per_node N -m smallstate_lm.train --train ... --out ...`
+    import sys
+
+    from .cli import main
+
+    main(["train", *sys.argv[1:]])
