@@ -26,10 +26,15 @@ def _valid(run: Path) -> list[float]:
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed")
-@pytest.mark.parametrize("preset", ["tiny"])
-def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, small_corpus, preset):
+@pytest.mark.parametrize("extra", [
+    ["--preset", "tiny"],
+    # running text with carried Transformer-XL memories, each rank holding half of the streams
+    ["--preset", "xl-small", "--stream", "--max-len", "16", "--set", "d_model=32", "--set", "d_ff=64",
+     "--set", "n_layers=2", "--set", "mem_len=16"],
+], ids=["sentences", "stream-xl"])
+def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, small_corpus, extra):
     train, valid = small_corpus
-    args = ["--train", str(train), "--valid", str(valid), "--preset", preset, "--set", "dropout=0",
+    args = ["--train", str(train), "--valid", str(valid), *extra, "--set", "dropout=0",
             "--max-steps", "6", "--batch-tokens", "512", "--valid-every", "3", "--quiet", "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "-m", "smallstate_lm.cli", "train", *args, "--out", str(tmp_path / "one")],

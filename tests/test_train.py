@@ -1,12 +1,15 @@
 import json
 import math
 
+import pytest
 import torch
 
 from smallstate_lm.checkpoint import load_model
-from smallstate_lm.data import encode_sentences, read_sentences
+from smallstate_lm.data import StreamBatcher, encode_sentences, read_sentences
+from smallstate_lm.errors import ConfigError
 from smallstate_lm.evaluate import evaluate_file
 from smallstate_lm.train import TrainConfig, train
+from smallstate_lm.vocab import Vocabulary
 
 
 def tc(corpus, out, **kw):
@@ -95,3 +98,36 @@ def test_init_from_continues_from_a_checkpoint(small_corpus, tmp_path):
     second = tmp_path / "second"
     s2 = train(tc(small_corpus, second, max_steps=1, lr=0.0, init_from=str(first / "model.pt")))
     assert math.isclose(s2["best_valid_ppl"], s1["best_valid_ppl"], rel_tol=1e-6)  # same weights, no update
+
+
+XL_TINY = {"d_model": 32, "n_heads": 2, "d_ff": 64, "d_embed": 16, "n_layers": 2, "mem_len": 16, "dropout": 0.0}
+
+
+def test_stream_mode_carries_the_state_across_segments(small_corpus, tmp_path):
+    """Running text in consecutive segments: the second segment of a stream is scored on
+    the first one's memories, so its loss differs from scoring it from a fresh state."""
+    tr, va = small_corpus
+    tc = TrainConfig(train=str(tr), valid=str(va), out=str(tmp_path / "xl"), preset="xl-small", overrides=XL_TINY,
+                     stream=True, max_len=16, batch_tokens=64, max_steps=30, valid_every=15, progress=False)
+    summary = train(tc)
+    assert summary["steps"] == 30 and math.isfinite(summary["best_valid_ppl"])
+    lm = load_model(tmp_path / "xl").model.eval()
+    vocab = Vocabulary.load(tmp_path / "xl" / "vocab.txt")
+    sb = StreamBatcher(encode_sentences(read_sentences(tr), vocab), 64, 16)
+    assert sb.n_streams == 4
+    _, _, seg0 = sb.batch(0)
+    _, k, seg1 = sb.batch(1)
+    assert k == 1 and torch.equal(seg0[:, -1:], sb.data[:, 15:16])  # rows continue the same stream
+    with torch.no_grad():
+        _, st = lm.score(seg0, lm.initial_state(4))
+        carried, _ = lm.score(seg1, st)
+        fresh, _ = lm.score(seg1, lm.initial_state(4))
+    assert (carried - fresh).abs().max() > 1e-3
+
+
+def test_stream_mode_refuses_a_model_with_unbounded_state(small_corpus, tmp_path):
+    tr, va = small_corpus
+    tc = TrainConfig(train=str(tr), valid=str(va), out=str(tmp_path / "t"), preset="tiny", stream=True,
+                     max_steps=2, progress=False)
+    with pytest.raises(ConfigError, match="stream mode needs a model whose state is bounded"):
+        train(tc)
