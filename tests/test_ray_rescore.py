@@ -1,0 +1,130 @@
+"""Lattice rescoring on Ray: one local Ray instance for the module; the distributed run
+must write what the local run writes, report bad files the same way, and surface a
+worker's loading error as the user-facing error it is."""
+
+import json
+import math
+import socket
+
+import pytest
+from conftest import TEST_DATA, run_cli
+
+pytest.importorskip("ray.data")
+
+from smallstate_lm.checkpoint import load_model  # noqa: E402
+from smallstate_lm.errors import CheckpointError  # noqa: E402
+from smallstate_lm.ngram import NgramLM  # noqa: E402
+from smallstate_lm.rescoring.distributed import RescoreJob, rescore_lattice_files_ray  # noqa: E402
+from smallstate_lm.rescoring.expand import ExpandConfig, LatticeRescorer  # noqa: E402
+from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
+from smallstate_lm.rescoring.nbest import read_text  # noqa: E402
+from smallstate_lm.rescoring.run import rescore_lattice_files  # noqa: E402
+from smallstate_lm.scoring import Weights  # noqa: E402
+
+# Starting Ray, its actors and the CLI subprocesses takes seconds each; a stuck cluster
+# must fail the test, not hang the suite.
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.filterwarnings(r"ignore::DeprecationWarning:ray\.data\.context")]
+
+LAT_DIR = TEST_DATA / "lattices"
+WORDS = LAT_DIR / "words.txt"
+W = Weights(am_scale=0.105, lm_weight=0.5, ngram_weight=0.5)
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+
+    ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="error", object_store_memory=100 * 2**20)
+    try:
+        yield ctx.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+
+
+def _lattices():
+    return sorted(LAT_DIR.glob("*.lat.fst"))
+
+
+def _local_run(out, tiny_lm_dir, kenlm_model, paths, on_error=None):
+    lm = load_model(tiny_lm_dir)
+    rescorer = LatticeRescorer(W, lm.model, lm.vocab, NgramLM(kenlm_model), ExpandConfig())
+    return rescore_lattice_files(paths, SymbolTable.read(WORDS), rescorer, out, read_text(LAT_DIR / "ref.txt"),
+                                 progress=False, on_error=on_error)
+
+
+def _job(tiny_lm_dir, kenlm_model):
+    return RescoreJob(str(WORDS.resolve()), str(tiny_lm_dir.resolve()), str(kenlm_model.resolve()), W, ExpandConfig())
+
+
+def _files(out):
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_ray_run_writes_the_local_runs_files_byte_for_byte(tmp_path, ray_address, tiny_lm_dir, kenlm_model):
+    paths = _lattices()
+    local = _local_run(tmp_path / "local", tiny_lm_dir, kenlm_model, paths)
+    dist = rescore_lattice_files_ray(paths, _job(tiny_lm_dir, kenlm_model), tmp_path / "ray",
+                                     read_text(LAT_DIR / "ref.txt"), progress=False)
+    local_files, ray_files = _files(tmp_path / "local"), _files(tmp_path / "ray")
+    assert sorted(local_files) == sorted(ray_files)
+    assert {"best.txt", "nbest.jsonl", "wer.txt"} <= set(local_files)
+    assert len([f for f in local_files if f.startswith("lattices/")]) == len(paths)
+    for name in local_files:
+        assert ray_files[name] == local_files[name], name
+    assert (dist.lattices, dist.arcs, dist.expanded_states, dist.lm_calls, dist.wer) == \
+           (local.lattices, local.arcs, local.expanded_states, local.lm_calls, local.wer)
+
+
+def test_other_batches_on_two_actors_agree_up_to_float_rounding(tmp_path, ray_address, tiny_lm_dir, kenlm_model):
+    paths = _lattices()
+    _local_run(tmp_path / "local", tiny_lm_dir, kenlm_model, paths)
+    rescore_lattice_files_ray(paths, _job(tiny_lm_dir, kenlm_model), tmp_path / "ray", max_actors=2, batch_size=1,
+                              progress=False)
+    assert (tmp_path / "ray" / "best.txt").read_text() == (tmp_path / "local" / "best.txt").read_text()
+
+    def nbest(out):
+        return [json.loads(line) for line in (out / "nbest.jsonl").read_text().splitlines()]
+
+    for a, b in zip(nbest(tmp_path / "local"), nbest(tmp_path / "ray"), strict=True):
+        assert a["utt"] == b["utt"]
+        for ha, hb in zip(a["hyps"], b["hyps"], strict=True):
+            assert ha["words"] == hb["words"]
+            for key in ("am", "graph", "neural", "ngram", "total"):
+                assert math.isclose(ha[key], hb[key], rel_tol=1e-6, abs_tol=1e-5), key
+
+
+def test_cli_with_ray_skips_a_bad_file_like_the_local_run(tmp_path, ray_address, tiny_lm_dir, kenlm_model):
+    broken = tmp_path / "broken.lat.fst"
+    broken.write_bytes(_lattices()[0].read_bytes()[:100])
+    args = [*_lattices()[:2], broken, "--words", WORDS, "--lm", tiny_lm_dir, "--ngram", kenlm_model,
+            "--set", "am_scale=0.105", "--quiet"]
+    local = run_cli("rescore", *args, "-o", tmp_path / "local", timeout=120)
+    dist = run_cli("rescore", *args, "-o", tmp_path / "ray", "--ray", ray_address, "--ray-actors", "1", timeout=180)
+    assert local.returncode == dist.returncode == 2, dist.stderr
+    errors = [line for line in local.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "broken.lat.fst" in errors[0]
+    assert errors[0] in dist.stderr.splitlines() and "Traceback" not in dist.stderr
+    assert dist.stdout.splitlines()[-1].startswith("2 lattices,")
+    assert _files(tmp_path / "ray") == _files(tmp_path / "local")
+
+
+def test_a_worker_that_cannot_load_the_lm_raises_the_users_error(tmp_path, ray_address, kenlm_model):
+    bad = tmp_path / "bad_lm"
+    bad.mkdir()
+    (bad / "model.pt").write_bytes(b"not a checkpoint")
+    job = RescoreJob(str(WORDS.resolve()), str(bad), str(kenlm_model.resolve()), W, ExpandConfig())
+    with pytest.raises(CheckpointError, match="bad_lm"):
+        rescore_lattice_files_ray(_lattices()[:1], job, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_address_nothing_answers_on_fails_at_once(tmp_path, kenlm_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free again once closed: nothing listens there
+    proc = run_cli("rescore", _lattices()[0], "--words", WORDS, "--ngram", kenlm_model, "-o", tmp_path / "out",
+                   "--ray", f"127.0.0.1:{port}", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --ray 127.0.0.1:{port}: no Ray cluster")
+    assert not (tmp_path / "out").exists()
