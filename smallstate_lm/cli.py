@@ -279,6 +279,11 @@ def rescore(
     max_per_state: int = typer.Option(64, help="Lattices: expanded states kept per lattice state."),
     max_states: int = typer.Option(200_000, help="Lattices: expanded states per lattice before pruning harder."),
     nbest: int = typer.Option(10, help="Lattices: distinct word sequences written to nbest.jsonl."),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="Lattices: rescore on a Ray cluster "
+                                      "(needs ray[data]; see docs/ray.md): 'local' starts one on this machine; "
+                                      "'auto', HOST:PORT or ray://HOST:PORT joins one."),
+    ray_actors: Optional[int] = typer.Option(None, "--ray-actors", help="With --ray: most LM workers at once "
+                                             "[default: one per GPU of the cluster, else one per CPU]."),
     quiet: bool = typer.Option(False),
 ):
     """Rescore n-best lists (.tsv, .jsonl) or lattices (.fst, .slf[.gz]): writes best.txt,
@@ -293,8 +298,10 @@ def rescore(
     ref = read_text(refs) if refs else None
     if kinds == {True}:
         _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam,
-                          max_per_state, max_states, nbest, quiet)
+                          max_per_state, max_states, nbest, quiet, ray, ray_actors)
         return
+    if ray is not None:
+        raise ConfigError("--ray rescores lattice files; n-best lists are rescored locally")
     utts = [u for p in inputs for u in read_nbest(p)]
     neural, ng = _scorers(lm, ngram, device, batch_tokens, not no_prefix_sharing)
     comps, stats = compute_components(utts, neural, ng, progress=not quiet)
@@ -318,7 +325,7 @@ def _is_lattice(p: Path) -> bool:
 
 
 def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam, max_per_state,
-                      max_states, nbest, quiet):
+                      max_states, nbest, quiet, ray=None, ray_actors=None):
     from .rescoring.expand import ExpandConfig, LatticeRescorer
     from .rescoring.lattice import SymbolTable
     from .rescoring.run import rescore_lattice_files
@@ -329,19 +336,27 @@ def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_
         symbols = None
     else:
         symbols = SymbolTable.read(words)
-    neural, ng = _scorers(lm, ngram, device, 8192)
     cfg = ExpandConfig(max_ngram_order=None if exact else max_ngram_order, beam=beam, max_per_state=max_per_state,
                        max_states=max_states)
-    rescorer = LatticeRescorer(w, neural.model if neural else None, neural.vocab if neural else None, ng, cfg,
-                               neural.device if neural else "cpu")
     errors = []
 
     def on_error(path, msg):
         errors.append(msg)
         typer.echo(f"error: {msg} (skipped)", err=True)
 
-    summary = rescore_lattice_files(inputs, symbols, rescorer, out, ref, nbest, progress=not quiet,
-                                    on_error=on_error)
+    if ray is not None:
+        from .rescoring.distributed import RescoreJob, rescore_lattice_files_ray
+
+        job = RescoreJob(*(str(p.resolve()) if p else None for p in (words, lm, ngram)), weights=w, config=cfg,
+                         nbest=nbest)
+        summary = rescore_lattice_files_ray(inputs, job, out, ref, ray, device, ray_actors, progress=not quiet,
+                                            on_error=on_error)
+    else:
+        neural, ng = _scorers(lm, ngram, device, 8192)
+        rescorer = LatticeRescorer(w, neural.model if neural else None, neural.vocab if neural else None, ng, cfg,
+                                   neural.device if neural else "cpu")
+        summary = rescore_lattice_files(inputs, symbols, rescorer, out, ref, nbest, progress=not quiet,
+                                        on_error=on_error)
     typer.echo(summary.line())
     if errors:
         raise typer.Exit(code=2)
@@ -472,6 +487,84 @@ def serve(
                "weights": str(weights) if weights else None, "host": host, "port": port, "device": device,
                "threads": threads, "batching": batching}
     run_server(Settings.from_env(assignments=set_, **options))
+
+
+@app.command()
+def distill(
+    teacher: Path = typer.Option(..., "--teacher", help="The teacher's run directory or checkpoint."),
+    student_preset: str = typer.Option("lstm-small", "--student-preset", help="Student preset (lstm-small, ...)."),
+    train: Path = typer.Option(..., "--train", help="Training text, one sentence per line."),
+    valid: Path = typer.Option(..., "--valid", help="Validation text for perplexity and early stopping."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory for the student."),
+    lam: float = typer.Option(0.5, "--lambda", help="Weight of the teacher term: (1-λ)·CE(labels) + λ·T²·CE(teacher)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Softens both distributions (KD term scaled by T²)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Teacher's k most probable tokens per position, "
+                                        "renormalised [default: the full distribution; 64 with --teacher-cache]."),
+    sampled: Optional[int] = typer.Option(None, "--sampled", help="Instead, N tokens sampled from the teacher per "
+                                          "position, importance-weighted."),
+    teacher_cache: Optional[Path] = typer.Option(None, "--teacher-cache", help="File of the teacher's top-k (or "
+                                                 "sampled) targets: made on the first run, read by later ones."),
+    max_minutes: Optional[float] = typer.Option(None, help="Stop after this much training time."),
+    max_steps: Optional[int] = typer.Option(None, help="Total steps (the cosine schedule spans them)."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 1e-3]."),
+    batch_tokens: int = typer.Option(4096, help="Padded tokens per batch."),
+    valid_every: int = typer.Option(500),
+    seed: int = typer.Option(1),
+    set_: List[str] = typer.Option([], "--set", help="Student config override key=value, repeatable."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
+):
+    """Distill a student LM (e.g. an LSTM) from a trained teacher, in the teacher's vocabulary."""
+    _set_threads(threads)
+    from .distill import DistillConfig
+    from .distill import distill as run_distill
+    from .train import TrainConfig, remove_incomplete_run
+
+    tc = TrainConfig(train=str(train), valid=str(valid), out=str(out), preset=student_preset,
+                     overrides=_parse_overrides(set_), lr=lr, max_steps=max_steps, max_minutes=max_minutes,
+                     batch_tokens=batch_tokens, valid_every=valid_every, seed=seed, device=device, progress=not quiet)
+    dc = DistillConfig(teacher=str(teacher), lam=lam, temperature=temperature, top_k=top_k, sampled=sampled,
+                       teacher_cache=str(teacher_cache) if teacher_cache else None)
+    existed = out.exists()
+    try:
+        summary = run_distill(tc, dc)
+    except BaseException:
+        if not existed:
+            remove_incomplete_run(out)
+        raise
+    typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command()
+def tasks(
+    task: str = typer.Option(..., "--task", help="copy, reverse, sort, not, remember, addition or multiply."),
+    model: str = typer.Option(..., "--model", help="Model preset (tiny, small, conv-small, sa-conv-small, ...)."),
+    set_: List[str] = typer.Option([], "--set", help="Model config override key=value, repeatable "
+                                   "(e.g. --set d_model=64 --set dropout=0)."),
+    minutes: Optional[float] = typer.Option(None, help="Wall-clock budget [default: 1 unless --steps is given]."),
+    steps: Optional[int] = typer.Option(None, help="Training-step budget (with --minutes, whichever ends first)."),
+    batch: int = typer.Option(32, help="Training examples per step."),
+    seed: int = typer.Option(1),
+    max_length: int = typer.Option(64, help="Stop once this length is solved."),
+    eval_every: int = typer.Option(50, help="Steps between held-out checks of the current length."),
+    lr: float = typer.Option(3e-3, help="AdamW peak learning rate (100 warmup steps, then constant)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:N or auto."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+):
+    """Train a fresh model on an algorithmic task with a length curriculum (start at 5, grow by 1
+    after a perfect held-out batch). Prints one JSON line on stdout and a summary on stderr."""
+    _set_threads(threads)
+    from .tasks import TaskConfig, format_summary, run_task
+
+    tc = TaskConfig(task=task, preset=model, overrides=_parse_overrides(set_),
+                    minutes=1.0 if minutes is None and steps is None else minutes, steps=steps, batch=batch,
+                    seed=seed, max_length=max_length, eval_every=eval_every, lr=lr, device=device,
+                    progress=not quiet)
+    r = run_task(tc)
+    typer.echo(format_summary(r), err=True)
+    typer.echo(json.dumps(r))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -253,6 +253,26 @@ class TransformerLM(nn.Module):
         h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
         return self.output.log_probs(h_last), new_state
 
+    def log_probs_all(
+        self, tokens: Tensor, state: TransformerState, lengths: Tensor | None = None
+    ) -> tuple[Tensor, TransformerState]:
+        """The whole next-token distribution at every position (distillation).
+
+        tokens: (B, T); lengths: optional (B,) as in `score`. Returns logp (B, T, V),
+        natural log, logp[b, t] = log p(. | <s>, history, tokens[b, :t]) (so
+        logp[b, t, tokens[b, t]] is `score`'s value; 0 at padded positions), and the
+        state after each row's real tokens.
+        """
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        B, T = tokens.shape
+        if T == 0:
+            return torch.zeros(B, 0, self.cfg.vocab_size, device=tokens.device), state
+        h, new_state = self._run(tokens, state, lengths, include_last=False)
+        logp = self.output.log_probs(h.reshape(B * T, -1)).view(B, T, -1)  # (B, T, V)
+        if lengths is not None:
+            logp = logp.masked_fill(~length_mask(lengths, T)[:, :, None], 0.0)
+        return logp, new_state
+
     def score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None) -> Tensor:
         """Score a prefix trie in one pass ("tree attention"): every node attends to
         itself and its ancestors only, which is exact here because the model has no
