@@ -27,8 +27,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] 
   "$PY" -m pip install -q "torch==$TORCH_VERSION"
 fi
 
-# Debian packages for building KenLM (and the kenlm Python module).
-APT_PKGS="cmake g++ make libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev zlib1g-dev libbz2-dev liblzma-dev"
+# Debian packages for building KenLM (and the kenlm Python module), and espeak-ng, the speech synthesiser of
+# the PocketSphinx example and its test (examples/pocketsphinx).
+APT_PKGS="cmake g++ make libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev zlib1g-dev libbz2-dev liblzma-dev espeak-ng"
 missing=""
 for p in $APT_PKGS; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
