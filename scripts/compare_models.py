@@ -35,14 +35,14 @@ DATA = ROOT.parent / "shared" / "data"
 CLI = [sys.executable, "-m", "smallstate_lm.cli"]
 
 
-def common_args(minutes: float) -> list[str]:
-    return ["--train", str(DATA / "text" / "train.txt"), "--valid", str(DATA / "text" / "valid.txt"),
-            "--max-minutes", str(minutes), "--threads", "1"]
+CLOCK = "wall"
 
 
 def train_args(minutes: float) -> list[str]:
-    return [*common_args(minutes), "--batch-tokens", "4096", "--lr", "2e-3", "--warmup-steps", "100",
-            "--valid-every", "100", "--patience", "0", "--quiet"]
+    """What every model's training command shares (distillation included)."""
+    return ["--train", str(DATA / "text" / "train.txt"), "--valid", str(DATA / "text" / "valid.txt"),
+            "--max-minutes", str(minutes), "--clock", CLOCK, "--threads", "1", "--batch-tokens", "1024",
+            "--lr", "2e-3", "--warmup-steps", "50", "--valid-every", "100", "--patience", "0", "--quiet"]
 
 
 def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrain: bool) -> dict:
@@ -55,7 +55,7 @@ def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrai
         if not teacher:
             raise SystemExit(f"{entry}: needs --teacher")
         cmd = [*CLI, "distill", "--teacher", teacher, "--student-preset", entry.split(":", 1)[1],
-               *common_args(minutes), "--out", str(out)]
+               *train_args(minutes), "--out", str(out)]
     else:
         cmd = [*CLI, "train", *train_args(minutes), "--preset", entry, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -98,7 +98,11 @@ def main() -> None:
     ap.add_argument("--section", required=True, help="name of the docs/results.md section to write")
     ap.add_argument("--title", default="Model comparison under one CPU budget")
     ap.add_argument("--retrain", action="store_true")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="budget in wall-clock or in each process's CPU time (fair on a shared machine)")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = args.clock
     entries = [e.strip() for e in args.presets.split(",") if e.strip()]
     runs = Path(args.runs)
     outs = {e: runs / e.replace(":", "-") for e in entries}
@@ -134,14 +138,17 @@ def main() -> None:
     body = "\n".join([
         f"## {args.title}",
         "",
-        f"Every model trained for {args.minutes:g} minutes of wall clock on one CPU thread, two at a time on "
+        f"Every model trained for {args.minutes:g} minutes of "
+        f"{'wall clock' if args.clock == 'wall' else 'CPU time (its own process, `--clock cpu`)'} on one CPU "
+        f"thread, {args.jobs} at a time on "
         f"this 2-core machine ({machine()}), by the same command with only the preset changed, e.g.:",
         "",
         f"```\n{cmd_example}\n```",
         "",
         f"Table written by `python scripts/compare_models.py --presets {args.presets} --minutes {args.minutes:g} "
-        f"--jobs {args.jobs} --section {args.section}`. Perplexity as in `smallstate-lm eval` (each sentence "
-        "from `<s>`, `</s>` counted, OOV as `<unk>`). State: numbers stored per history position (+ numbers per "
+        f"--jobs {args.jobs} --clock {args.clock} --section {args.section}`. Perplexity as in "
+        "`smallstate-lm eval` (each sentence from `<s>`, `</s>` counted, OOV as `<unk>`). State: numbers stored "
+        "per history position (+ numbers per "
         "row that do not grow). Training tokens/s: forward + backward, validation excluded, 1 thread. Scoring "
         "tokens/s: `eval` on dev, 2 threads. WER %: dev 50-best lists, 2-fold (weights tuned on one half, "
         "applied to the other), neural alone / neural + KenLM 4-gram; first pass "

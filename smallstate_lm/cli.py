@@ -58,6 +58,7 @@ def train(
     max_steps: Optional[int] = typer.Option(None, help="Total steps (the cosine schedule spans them)."),
     max_epochs: int = typer.Option(20),
     max_minutes: Optional[float] = typer.Option(None, help="Stop after this much training time."),
+    clock: str = typer.Option("wall", help="What --max-minutes measures: wall clock, or this process's cpu time."),
     stop_after: Optional[int] = typer.Option(None, help="Stop at this step, schedule unchanged (resume later)."),
     batch_tokens: int = typer.Option(4096, help="Padded tokens per batch."),
     max_len: int = typer.Option(128, help="Longer sentences are cut into pieces."),
@@ -90,7 +91,7 @@ def train(
         clip=clip, valid_every=valid_every, patience=patience, seed=seed, min_count=min_count,
         max_vocab=max_vocab, lowercase=lowercase, device=device, resume=resume, progress=not quiet,
         init_from=str(init_from) if init_from else None, vocab_from=str(vocab_from) if vocab_from else None,
-        stream=stream,
+        stream=stream, clock=clock,
     )
     existed = out.exists()
     try:
@@ -505,10 +506,13 @@ def distill(
     teacher_cache: Optional[Path] = typer.Option(None, "--teacher-cache", help="File of the teacher's top-k (or "
                                                  "sampled) targets: made on the first run, read by later ones."),
     max_minutes: Optional[float] = typer.Option(None, help="Stop after this much training time."),
+    clock: str = typer.Option("wall", help="What --max-minutes measures: wall clock, or this process's cpu time."),
     max_steps: Optional[int] = typer.Option(None, help="Total steps (the cosine schedule spans them)."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 1e-3]."),
+    warmup_steps: int = typer.Option(200),
     batch_tokens: int = typer.Option(4096, help="Padded tokens per batch."),
     valid_every: int = typer.Option(500),
+    patience: int = typer.Option(5, help="Validations without improvement before stopping; 0 = never."),
     seed: int = typer.Option(1),
     set_: List[str] = typer.Option([], "--set", help="Student config override key=value, repeatable."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
@@ -523,7 +527,8 @@ def distill(
 
     tc = TrainConfig(train=str(train), valid=str(valid), out=str(out), preset=student_preset,
                      overrides=_parse_overrides(set_), lr=lr, max_steps=max_steps, max_minutes=max_minutes,
-                     batch_tokens=batch_tokens, valid_every=valid_every, seed=seed, device=device, progress=not quiet)
+                     batch_tokens=batch_tokens, valid_every=valid_every, seed=seed, device=device, progress=not quiet,
+                     clock=clock, warmup_steps=warmup_steps, patience=patience)
     dc = DistillConfig(teacher=str(teacher), lam=lam, temperature=temperature, top_k=top_k, sampled=sampled,
                        teacher_cache=str(teacher_cache) if teacher_cache else None)
     existed = out.exists()

@@ -45,6 +45,9 @@ class TrainConfig:
     max_steps: int | None = None
     max_epochs: int = 20
     max_minutes: float | None = None
+    # What max_minutes measures: "wall" clock, or this process's "cpu" time (fairer for
+    # comparing models on a machine shared with other work)
+    clock: Literal["wall", "cpu"] = "wall"
     stop_after: int | None = None  # stop at this step without changing the schedule (as an interruption would)
     batch_tokens: int = 4096
     max_len: int = 128
@@ -323,7 +326,10 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         log({"event": "start", "params": count_parameters(model), "config": cfg.to_dict(),
              "train_sentences": len(train_sents), "vocab_size": len(vocab), "batches_per_epoch": len(batcher),
              "processes": dist.world})
-    t_start = time.perf_counter()
+    if tc.clock not in ("wall", "cpu"):
+        raise ConfigError(f"clock must be 'wall' or 'cpu', got {tc.clock!r}")
+    now_s = time.process_time if tc.clock == "cpu" else time.perf_counter
+    t_start = now_s()
     elapsed = elapsed_before
     # With only a time budget the step count is unknown: the bar then just counts.
     bar = tqdm(total=None if total_steps is None else max_steps, initial=step, unit="step",
@@ -372,7 +378,7 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         step += 1
         tokens_seen += n_tok
         step_seconds += time.perf_counter() - t_step
-        elapsed = elapsed_before + time.perf_counter() - t_start
+        elapsed = elapsed_before + now_s() - t_start
         # the global batch's mean token loss, identical on every rank
         loss_v = dist.all_sum(loss.item()) / dist.world if dist.enabled and loss_fn is None else loss.item()
         if not math.isfinite(loss_v):
