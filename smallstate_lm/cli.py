@@ -272,7 +272,7 @@ def rescore(
     out: Path = typer.Option(..., "-o", "--out", help="Output directory."),
     device: str = typer.Option("auto"),
     batch_tokens: int = typer.Option(8192),
-    no_prefix_sharing: bool = typer.Option(False, help="Score each hypothesis as its own padded row."),
+    no_prefix_sharing: bool = typer.Option(False, "--no-prefix-sharing", help="Score each hypothesis as its own padded row."),
     words: Optional[Path] = typer.Option(None, "--words", help="The decoder's words.txt (lattices)."),
     max_ngram_order: int = typer.Option(4, help="Lattices: merge histories sharing their last n-1 words."),
     exact: bool = typer.Option(False, help="Lattices: keep full histories (no merging)."),
