@@ -175,6 +175,12 @@ def length_mask(lengths: Tensor, T: int) -> Tensor:
 # of a padded batch. Time is dim 1 of every cached tensor: (B, S, ...).
 
 
+def own_storage(t: Tensor) -> Tensor:
+    """`t`, copied when it is a view into a larger buffer: a state that keeps a trimmed
+    view would keep the whole untrimmed buffer alive, far beyond what `nbytes` reports."""
+    return t if t.untyped_storage().nbytes() <= t.numel() * t.element_size() else t.clone()
+
+
 def left_pad_time(t: Tensor, S: int, value: float = 0.0) -> Tensor:
     """(B, s, ...) -> (B, S, ...) with S - s columns of `value` in front."""
     extra = S - t.shape[1]

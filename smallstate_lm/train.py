@@ -28,7 +28,7 @@ from .data import BucketBatcher, StreamBatcher, encode_sentences, pad_batch, per
 from .errors import ConfigError
 from .evaluate import score_corpus
 from .models import ModelConfig, build_model, count_parameters, get_preset
-from .vocab import EncodeStats, Vocabulary
+from .vocab import BOS_ID, EncodeStats, Vocabulary
 
 
 @dataclass
@@ -155,11 +155,11 @@ class _ScoreLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens: Tensor, lengths: Tensor | None, state=None):
+    def forward(self, tokens: Tensor, lengths: Tensor | None, state=None, weights: Tensor | None = None):
         if state is None:
             state = self.model.initial_state(tokens.shape[0], tokens.device)
         logp, new_state = self.model.score(tokens, state, lengths)
-        return logp.sum(), new_state
+        return (logp.sum() if weights is None else (logp * weights).sum()), new_state
 
 
 class _Schedule:
@@ -250,7 +250,8 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         raise ConfigError(f"batch_tokens ({tc.batch_tokens}) is smaller than max_len ({tc.max_len})")
     if tc.stream and loss_fn is not None:
         raise ConfigError("stream mode cannot be combined with a custom loss (distillation)")
-    batcher = (StreamBatcher(encode_sentences(train_sents, vocab), tc.batch_tokens, tc.max_len) if tc.stream
+    batcher = (StreamBatcher([[BOS_ID, *s] for s in encode_sentences(train_sents, vocab)], tc.batch_tokens,
+                             tc.max_len) if tc.stream
                else BucketBatcher(train_seqs, tc.batch_tokens, tc.seed))
 
     torch.manual_seed(tc.seed)
@@ -264,7 +265,13 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
-        scorer = DistributedDataParallel(scorer, device_ids=[device.index] if device.type == "cuda" else None)
+        # Some parameters can miss a step's graph: a persistent left padding is read only by the
+        # initial state (outside the carried segments of stream mode), and an adaptive-softmax
+        # cluster without targets in a rank's rows is skipped.
+        sparse = tc.stream or cfg.softmax == "adaptive"
+        scorer = DistributedDataParallel(scorer, device_ids=[device.index] if device.type == "cuda" else None,
+                                         find_unused_parameters=sparse)
+        torch.manual_seed(tc.seed * 1_000_003 + dist.rank)  # different dropout masks on each rank's rows
     lr = tc.lr if tc.lr is not None else (1e-3 if tc.optimizer == "adamw" else 1.0)
     if tc.optimizer == "adamw":
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -347,11 +354,14 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         with autocast:
             if tc.stream:
                 epoch, seg, tokens = batcher.batch(step)
-                n_tok = tokens.numel()
+                # `<s>` separates the sentences of the stream: an input, never a target
+                targets = tokens != BOS_ID
+                n_tok = int(targets.sum())
                 tokens = tokens[dist.rank :: dist.world].to(device)
+                targets = targets[dist.rank :: dist.world].to(device)
                 if seg == 0 or carried is None:
                     carried = model.initial_state(tokens.shape[0], device)
-                lp_sum, carried = scorer(tokens, None, carried)
+                lp_sum, carried = scorer(tokens, None, carried, targets.to(torch.float32))
                 carried = carried.detach()
                 loss = -lp_sum * (dist.world / n_tok)
             elif loss_fn is not None:

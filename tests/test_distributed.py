@@ -31,7 +31,10 @@ def _valid(run: Path) -> list[float]:
     # running text with carried Transformer-XL memories, each rank holding half of the streams
     ["--preset", "xl-small", "--stream", "--max-len", "16", "--set", "d_model=32", "--set", "d_ff=64",
      "--set", "n_layers=2", "--set", "mem_len=16"],
-], ids=["sentences", "stream-xl"])
+    # a persistent left padding is used by the first segment only: a parameter without a gradient later
+    ["--preset", "pconv-small", "--stream", "--max-len", "16", "--set", "d_model=32", "--set", "d_ff=64",
+     "--set", "n_layers=2", "--set", "conv_kernel=4"],
+], ids=["sentences", "stream-xl", "stream-pconv"])
 def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, small_corpus, extra):
     train, valid = small_corpus
     args = ["--train", str(train), "--valid", str(valid), *extra, "--set", "dropout=0",

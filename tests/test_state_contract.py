@@ -192,3 +192,23 @@ def test_tree_attention_equals_scoring_each_path(model):
     par2 = torch.cat([parents, torch.tensor([[-1, 0, 0, 9, 9, 9]])])
     lp2 = model.score_tree(tok2, par2, torch.tensor([6, 3]))
     assert (lp2[0] - lp[0]).abs().max() <= TOL and (lp2[1, 3:] == 0).all()
+
+
+@torch.no_grad()
+def test_step_with_no_tokens_gives_the_distribution_after_the_history(model):
+    tokens, full, state = full_and_tokens(model)
+    dist, st = model.step(tokens[:, :0], state)
+    assert dist.shape == (tokens.shape[0], V)
+    assert torch.allclose(dist.logsumexp(-1), torch.zeros(tokens.shape[0]), atol=1e-5)
+    nxt = torch.randint(0, V, (tokens.shape[0], 1))
+    lp, _ = model.score(nxt, st)
+    assert (dist.gather(1, nxt)[:, 0] - lp[:, 0]).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_a_state_holds_no_hidden_buffers(model):
+    """A capped state after a long call must not keep the call's whole buffers alive."""
+    _, state = model.score(torch.randint(0, V, (2, 40)), model.initial_state(2))
+    held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
+                                                       for t in state._tensors()}.values())
+    assert held <= 2 * state.total_nbytes + 1024

@@ -35,7 +35,7 @@ from ..state import LMState, append_right_aligned, cat_right_aligned, check_toke
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, SelfAttention, _init_weights
+from .transformer import FeedForward, SelfAttention, _init_weights, residual_add
 
 # Calls at least this long run the convolution as F.conv1d, which is the faster kernel
 # for long sequences on CPU; shorter ones (decoding steps, T = 1) as one matrix product
@@ -233,7 +233,7 @@ class ActiveMemoryLayer(nn.Module):
         if self.attn is not None:
             a, k, v = self.attn(u, past_k, past_v, mask, causal)
             y = y + a
-        x = self.drop(y).add_(x)
+        x = residual_add(self.drop(y), x)
         for ff in self.ffs:
             x = ff(x)
         return x, streams, k, v

@@ -37,12 +37,13 @@ from ..state import (
     drop_empty_columns,
     keep_last,
     length_mask,
+    own_storage,
     right_align,
 )
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, _init_weights
+from .transformer import FeedForward, _init_weights, residual_add
 
 # ---- the span mask ---------------------------------------------------------------------
 
@@ -352,10 +353,10 @@ class CachedAttentionLM(nn.Module):
             tensors, mask = keep_last(tensors, mask, cap)
         tensors, mask = drop_empty_columns(tensors, mask)
         # a trimmed view would keep the whole untrimmed buffer alive
-        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        tensors = [own_storage(t) for t in tensors]
 
         if lengths is None:
-            new_last = tokens[:, -1]
+            new_last = tokens[:, -1] if T > 0 else state.last
         else:
             picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
             new_last = torch.where(lengths > 0, picked, state.last)
@@ -422,7 +423,7 @@ class SpanLayer(nn.Module):
 
     def forward(self, x, past_k, past_v, geo):
         a, k, v = self.attn(self.norm(x), past_k, past_v, geo)
-        x = self.drop(a).add_(x)
+        x = residual_add(self.drop(a), x)
         for ff in self.ffs:
             x = ff(x)
         return x, k, v

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .adaptive_span import CachedAttentionLM, Geometry, SpanBias, SpanState, extend, split_heads
 from .config import ModelConfig
+from .transformer import residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ class AllAttentionLayer(nn.Module):
 
     def forward(self, x, past_k, past_v, geo):
         a, k, v = self.attn(self.norm(x), past_k, past_v, geo)
-        return self.drop(a).add_(x), k, v
+        return residual_add(self.drop(a), x), k, v
 
 
 class AllAttentionLM(CachedAttentionLM):

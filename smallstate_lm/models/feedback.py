@@ -41,11 +41,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..state import LMState, cat_right_aligned, check_tokens, drop_empty_columns, keep_last, length_mask, right_align
+from ..state import (
+    LMState,
+    cat_right_aligned,
+    check_tokens,
+    drop_empty_columns,
+    keep_last,
+    length_mask,
+    own_storage,
+    right_align,
+)
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, _init_weights
+from .transformer import FeedForward, _init_weights, residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,10 +309,10 @@ class FeedbackLayer(nn.Module):
         B, d = x.shape
         qkv = maps["qkv"](self.norm(x)).view(B, 3, self.h, self.dh)  # (B, 3, H, Dh)
         a = attend(qkv[:, 0], qkv[:, 1], qkv[:, 2])  # (B, H, Dh)
-        x = self.drop(maps["o"](a.reshape(B, d))).add_(x)  # (B, d)
+        x = residual_add(self.drop(maps["o"](a.reshape(B, d))), x)  # (B, d)
         for ff, (fc1, fc2) in zip(self.ffs, maps["ff"]):
             h = ff.drop(F.relu(fc1(ff.norm(x)), inplace=True))  # (B, d_ff)
-            x = ff.drop(fc2(h)).add_(x)
+            x = residual_add(ff.drop(fc2(h)), x)
         return x
 
 
@@ -486,7 +495,8 @@ class FeedbackLM(nn.Module):
             tensors, mask = keep_last(tensors, mask, W)
         if mask is not None and bool(mask.all()):
             mask = None
-        new_state = FeedbackState(keys=tensors[0], values=tensors[1], last=new_last, mask=mask)
+        new_state = FeedbackState(keys=own_storage(tensors[0]), values=own_storage(tensors[1]), last=new_last,
+                                  mask=mask)
         return h, new_state
 
     @staticmethod

@@ -151,6 +151,13 @@ class SelfAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, d)), k, new_v
 
 
+def residual_add(y: Tensor, x: Tensor) -> Tensor:
+    """x + y, in place on y (a fresh sublayer output, saving an allocation) when the dtypes
+    agree. Under bf16 autocast y is bf16 while the residual stream x is float32: adding in
+    place would demote the stream to bf16 for every later layer."""
+    return y.add_(x) if y.dtype == x.dtype else x + y
+
+
 def _extend(past: Tensor, new: Tensor) -> Tensor:
     """Append along time; with nothing cached, keep `new` as is (no copy)."""
     return new if past.shape[2] == 0 else torch.cat([past, new], dim=2)
@@ -167,7 +174,7 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # In place on fresh outputs: saves two (B, T, d_ff)-sized allocations per sublayer.
         h = self.drop(F.relu(self.fc1(self.norm(x)), inplace=True))
-        return self.drop(self.fc2(h)).add_(x)
+        return residual_add(self.drop(self.fc2(h)), x)
 
 
 class Layer(nn.Module):
@@ -182,7 +189,7 @@ class Layer(nn.Module):
 
     def forward(self, x, past_k, past_v, mask, causal):
         a, k, v = self.attn(self.norm(x), past_k, past_v, mask, causal)
-        x = self.drop(a).add_(x)
+        x = residual_add(self.drop(a), x)
         for ff in self.ffs:
             x = ff(x)
         return x, k, v

@@ -42,7 +42,7 @@ from ..state import (
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, _init_weights
+from .transformer import FeedForward, _init_weights, residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ class Layer(nn.Module):
         memory positions. Returns (B, T, d)."""
         T = x.shape[1]
         h = self.norm(x if mem.shape[1] == 0 else torch.cat([mem, x], 1))  # (B, S+T, d)
-        x = self.drop(self.attn(h, T, pos, allowed, u, v)).add_(x)
+        x = residual_add(self.drop(self.attn(h, T, pos, allowed, u, v)), x)
         for ff in self.ffs:
             x = ff(x)
         return x
