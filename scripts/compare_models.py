@@ -45,7 +45,8 @@ def train_args(minutes: float) -> list[str]:
             "--lr", "2e-3", "--warmup-steps", "50", "--valid-every", "100", "--patience", "0", "--quiet"]
 
 
-def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrain: bool) -> dict:
+def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrain: bool,
+              distill_args: list[str]) -> dict:
     summary_file = out / "summary.json"
     if summary_file.exists() and not retrain:
         return json.loads(summary_file.read_text())
@@ -55,7 +56,7 @@ def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrai
         if not teacher:
             raise SystemExit(f"{entry}: needs --teacher")
         cmd = [*CLI, "distill", "--teacher", teacher, "--student-preset", entry.split(":", 1)[1],
-               *train_args(minutes), "--out", str(out)]
+               *train_args(minutes), *distill_args, "--out", str(out)]
     else:
         cmd = [*CLI, "train", *train_args(minutes), "--preset", entry, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -75,6 +76,9 @@ def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrai
 
 
 def assess(entry: str, out: Path, ngram: NgramLM) -> dict:
+    cached = out / "assess.json"
+    if cached.exists() and cached.stat().st_mtime >= (out / "model.pt").stat().st_mtime:
+        return json.loads(cached.read_text())
     valid = evaluate_file(out, DATA / "text" / "valid.txt")
     dev = evaluate_file(out, DATA / "text" / "dev.txt")
     lm = load_model(out)
@@ -84,7 +88,9 @@ def assess(entry: str, out: Path, ngram: NgramLM) -> dict:
         r = run_voice(DATA / "dev" / voice, scorer, ngram, 1 / 9.5)
         wer[voice] = {k: 100 * r[k] / r["ref_words"] for k in ("first pass", "neural", "neural + n-gram")}
         wer[voice]["n-best seconds"] = r["seconds"]
-    return {"valid": valid, "dev": dev, "wer": wer}
+    result = {"valid": valid, "dev": dev, "wer": wer}
+    cached.write_text(json.dumps(result, indent=2))
+    return result
 
 
 def main() -> None:
@@ -95,6 +101,8 @@ def main() -> None:
     ap.add_argument("--runs", default=str(ROOT / "runs" / "cmp"))
     ap.add_argument("--ngram", default=str(ROOT / "runs" / "lm4.bin"))
     ap.add_argument("--teacher", default=None, help="teacher run directory for distill: entries")
+    ap.add_argument("--distill-args", default="", help="extra `smallstate-lm distill` arguments, e.g. "
+                    "'--top-k 64 --teacher-cache runs/teacher.cache'")
     ap.add_argument("--section", required=True, help="name of the docs/results.md section to write")
     ap.add_argument("--title", default="Model comparison under one CPU budget")
     ap.add_argument("--retrain", action="store_true")
@@ -108,7 +116,8 @@ def main() -> None:
     outs = {e: runs / e.replace(":", "-") for e in entries}
     with ThreadPoolExecutor(args.jobs) as pool:
         summaries = dict(zip(entries, pool.map(
-            lambda e: train_one(e, outs[e], args.minutes, args.teacher, args.retrain), entries)))
+            lambda e: train_one(e, outs[e], args.minutes, args.teacher, args.retrain, args.distill_args.split()),
+            entries)))
     ngram = NgramLM(args.ngram)
     import torch
 
@@ -146,7 +155,9 @@ def main() -> None:
         f"```\n{cmd_example}\n```",
         "",
         f"Table written by `python scripts/compare_models.py --presets {args.presets} --minutes {args.minutes:g} "
-        f"--jobs {args.jobs} --clock {args.clock} --section {args.section}`. Perplexity as in "
+        f"--jobs {args.jobs} --clock {args.clock} --section {args.section}"
+        + (f" --teacher {args.teacher}" if args.teacher else "")
+        + (f" --distill-args '{args.distill_args}'" if args.distill_args else "") + "`. Perplexity as in "
         "`smallstate-lm eval` (each sentence from `<s>`, `</s>` counted, OOV as `<unk>`). State: numbers stored "
         "per history position (+ numbers per "
         "row that do not grow). Training tokens/s: forward + backward, validation excluded, 1 thread. Scoring "
