@@ -35,17 +35,14 @@ DATA = ROOT.parent / "shared" / "data"
 CLI = [sys.executable, "-m", "smallstate_lm.cli"]
 
 
-CLOCK = "wall"
-
-
-def train_args(minutes: float) -> list[str]:
+def train_args(minutes: float, clock: str) -> list[str]:
     """What every model's training command shares (distillation included)."""
     return ["--train", str(DATA / "text" / "train.txt"), "--valid", str(DATA / "text" / "valid.txt"),
-            "--max-minutes", str(minutes), "--clock", CLOCK, "--threads", "1", "--batch-tokens", "1024",
+            "--max-minutes", str(minutes), "--clock", clock, "--threads", "1", "--batch-tokens", "1024",
             "--lr", "2e-3", "--warmup-steps", "50", "--valid-every", "100", "--patience", "0", "--quiet"]
 
 
-def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrain: bool,
+def train_one(entry: str, out: Path, minutes: float, clock: str, teacher: str | None, retrain: bool,
               distill_args: list[str]) -> dict:
     summary_file = out / "summary.json"
     if summary_file.exists() and not retrain:
@@ -56,9 +53,9 @@ def train_one(entry: str, out: Path, minutes: float, teacher: str | None, retrai
         if not teacher:
             raise SystemExit(f"{entry}: needs --teacher")
         cmd = [*CLI, "distill", "--teacher", teacher, "--student-preset", entry.split(":", 1)[1],
-               *train_args(minutes), *distill_args, "--out", str(out)]
+               *train_args(minutes, clock), *distill_args, "--out", str(out)]
     else:
-        cmd = [*CLI, "train", *train_args(minutes), "--preset", entry, "--out", str(out)]
+        cmd = [*CLI, "train", *train_args(minutes, clock), "--preset", entry, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -109,14 +106,13 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="budget in wall-clock or in each process's CPU time (fair on a shared machine)")
     args = ap.parse_args()
-    global CLOCK
-    CLOCK = args.clock
     entries = [e.strip() for e in args.presets.split(",") if e.strip()]
     runs = Path(args.runs)
     outs = {e: runs / e.replace(":", "-") for e in entries}
     with ThreadPoolExecutor(args.jobs) as pool:
         summaries = dict(zip(entries, pool.map(
-            lambda e: train_one(e, outs[e], args.minutes, args.teacher, args.retrain, args.distill_args.split()),
+            lambda e: train_one(e, outs[e], args.minutes, args.clock, args.teacher, args.retrain,
+                                args.distill_args.split()),
             entries)))
     ngram = NgramLM(args.ngram)
     import torch

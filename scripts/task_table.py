@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from smallstate_lm.cli import parse_overrides  # noqa: E402
 from smallstate_lm.errors import ConfigError  # noqa: E402
 from smallstate_lm.files import atomic_write_text  # noqa: E402
 from smallstate_lm.tasks import TASKS, TaskConfig, build_task_model, format_summary, get_task, run_task  # noqa: E402
@@ -38,20 +39,6 @@ MODELS = {  # row label -> preset
 # minute of one CPU thread is hundreds of steps. Kernel width and other
 # architecture-specific settings stay as in the presets.
 SMALL = {"n_layers": 2, "ff_per_layer": 1, "d_model": 64, "n_heads": 4, "d_ff": 256, "d_embed": 64, "dropout": 0.0}
-
-
-def parse_overrides(items: list[str]) -> dict:
-    """`key=value` pairs; values parsed as JSON when they parse (ints, floats, bools, null)."""
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        key, val = item.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(val)
-        except json.JSONDecodeError:
-            out[key.strip()] = val
-    return out
 
 
 def render(results: dict, notes: dict, args, overrides: dict, tasks: list[str], models: list[str]) -> str:

@@ -19,8 +19,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 
 
-def _parse_overrides(items: list[str]) -> dict:
-    """`key=value` pairs; values parsed as JSON when they parse (ints, floats, bools, lists)."""
+def parse_overrides(items: list[str]) -> dict:
+    """`key=value` pairs (`--set`); values parsed as JSON when they parse (ints, floats, bools, lists)."""
     out = {}
     for item in items:
         if "=" not in item:
@@ -85,7 +85,7 @@ def train(
     from .train import train as run_train
 
     tc = TrainConfig(
-        train=str(train), valid=str(valid), out=str(out), preset=preset, overrides=_parse_overrides(set_),
+        train=str(train), valid=str(valid), out=str(out), preset=preset, overrides=parse_overrides(set_),
         optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, max_epochs=max_epochs,
         max_minutes=max_minutes, stop_after=stop_after, batch_tokens=batch_tokens, max_len=max_len,
         clip=clip, valid_every=valid_every, patience=patience, seed=seed, min_count=min_count,
@@ -254,7 +254,7 @@ def _weights(path: Optional[Path], overrides: list[str]):
     from .scoring import Weights
 
     w = Weights.load(path) if path else Weights()
-    ov = _parse_overrides(overrides)
+    ov = parse_overrides(overrides)
     try:
         return dataclasses.replace(w, **ov)
     except TypeError as e:
@@ -527,7 +527,7 @@ def distill(
     from .train import TrainConfig, remove_incomplete_run
 
     tc = TrainConfig(train=str(train), valid=str(valid), out=str(out), preset=student_preset,
-                     overrides=_parse_overrides(set_), lr=lr, max_steps=max_steps, max_minutes=max_minutes,
+                     overrides=parse_overrides(set_), lr=lr, max_steps=max_steps, max_minutes=max_minutes,
                      batch_tokens=batch_tokens, valid_every=valid_every, seed=seed, device=device, progress=not quiet,
                      clock=clock, warmup_steps=warmup_steps, patience=patience)
     dc = DistillConfig(teacher=str(teacher), lam=lam, temperature=temperature, top_k=top_k, sampled=sampled,
@@ -564,7 +564,7 @@ def tasks(
     _set_threads(threads)
     from .tasks import TaskConfig, format_summary, run_task
 
-    tc = TaskConfig(task=task, preset=model, overrides=_parse_overrides(set_),
+    tc = TaskConfig(task=task, preset=model, overrides=parse_overrides(set_),
                     minutes=1.0 if minutes is None and steps is None else minutes, steps=steps, batch=batch,
                     seed=seed, max_length=max_length, eval_every=eval_every, lr=lr, device=device,
                     progress=not quiet)

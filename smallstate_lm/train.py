@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as tdist
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -89,14 +91,10 @@ class Distributed:
     """
 
     def __init__(self, device: torch.device):
-        import os
-
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = device
         if self.world > 1:
-            import torch.distributed as tdist
-
             if device.type == "cuda":
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(self.device)
@@ -118,8 +116,6 @@ class Distributed:
         """Rank 0's value, on every rank."""
         if not self.enabled:
             return value
-        import torch.distributed as tdist
-
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         tdist.broadcast(t, 0)
         return float(t.item())
@@ -127,24 +123,17 @@ class Distributed:
     def all_sum(self, value: float) -> float:
         if not self.enabled:
             return value
-        import torch.distributed as tdist
-
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         tdist.all_reduce(t)
         return float(t.item())
 
     def barrier(self) -> None:
         if self.enabled:
-            import torch.distributed as tdist
-
             tdist.barrier()
 
     def close(self) -> None:
-        if self.enabled:
-            import torch.distributed as tdist
-
-            if tdist.is_initialized():
-                tdist.destroy_process_group()
+        if self.enabled and tdist.is_initialized():
+            tdist.destroy_process_group()
 
 
 class _ScoreLoss(nn.Module):

@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import TEST_DATA, run_cli
 from test_server import LAT_DIR, Server, assert_same_hyps, cli_nbest, fst_utterance, nbest_request, post
+from test_state_contract import shrunk
 
 from smallstate_lm.checkpoint import load_model, save_checkpoint
-from smallstate_lm.models import PRESETS, build_model, get_preset
+from smallstate_lm.models import PRESETS, build_model
 from smallstate_lm.rescoring.nbest import read_nbest
 from smallstate_lm.scoring import NeuralScorer
 from smallstate_lm.vocab import EOS_ID, Vocabulary
@@ -20,16 +21,7 @@ PER_ARCH = list({PRESETS[name].arch: name for name in reversed(OTHER)}.values())
 
 
 def small_run(name: str, vocab: Vocabulary, out) -> torch.nn.Module:
-    cfg = get_preset(name)
-    caps = {"mem_len": 8} if cfg.mem_len else {}
-    if cfg.span_max:
-        caps.update(span_max=16, span_ramp=4, span_init=0.5)
-    if cfg.n_persistent:
-        caps["n_persistent"] = 8
-    if cfg.arch == "active_memory":
-        caps["conv_kernel"] = 4
-    cfg = cfg.replace(vocab_size=len(vocab), d_model=32, n_heads=4, d_ff=64, d_embed=16, dropout=0.0,
-                      n_layers=min(cfg.n_layers, 2), **caps)
+    cfg = shrunk(name, False, vocab_size=len(vocab), n_layers=min(PRESETS[name].n_layers, 2))
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     out.mkdir(parents=True, exist_ok=True)

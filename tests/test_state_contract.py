@@ -23,8 +23,9 @@ def shrunk(name: str, shared_kv: bool, **extra):
         caps["n_persistent"] = 4
     if cfg.arch == "active_memory":
         caps["conv_kernel"] = 4
-    return cfg.replace(vocab_size=V, d_model=32, n_heads=4, d_ff=48, d_embed=16 if cfg.d_embed else None,
-                       dropout=0.0, shared_kv=shared_kv, **{**caps, **extra})
+    return cfg.replace(**{"vocab_size": V, "d_model": 32, "n_heads": 4, "d_ff": 48,
+                          "d_embed": 16 if cfg.d_embed else None, "dropout": 0.0, "shared_kv": shared_kv,
+                          **caps, **extra})
 
 
 # Transformer presets with and without shared K/V; every other preset as it is.

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..state import LMState, append_right_aligned, cat_right_aligned, check_tokens, drop_empty_columns, length_mask
+from ..state import LMState, append_right_aligned, cat_right_aligned, drop_empty_columns, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, SelfAttention, _init_weights, residual_add
+from .transformer import FeedForward, PendingTokenLM, SelfAttention, _init_weights, residual_add
 
 # Calls at least this long run the convolution as F.conv1d, which is the faster kernel
 # for long sequences on CPU; shorter ones (decoding steps, T = 1) as one matrix product
@@ -239,7 +239,7 @@ class ActiveMemoryLayer(nn.Module):
         return x, streams, k, v
 
 
-class ActiveMemoryLM(nn.Module):
+class ActiveMemoryLM(PendingTokenLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
@@ -298,40 +298,6 @@ class ActiveMemoryLM(nn.Module):
                                                  for _ in self.layers]
         return ActiveMemoryState(windows=windows, gated=gated, keys=keys, values=values,
                                  last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device))
-
-    def score(
-        self, tokens: Tensor, state: ActiveMemoryState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, ActiveMemoryState]:
-        """Target log-probs of `tokens` given the history in `state`.
-
-        tokens: (B, T) LongTensor. lengths: optional (B,); row b holds lengths[b] real
-        tokens followed by padding (any id); padded positions get log-prob 0 and do not
-        enter the returned state. Returns logp (B, T), natural log,
-        logp[b, t] = log p(tokens[b, t] | <s>, history, tokens[b, :t]); and the state
-        after each row's real tokens. `state` is not modified.
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return tokens.new_zeros((B, 0), dtype=torch.float32), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
-        return logp, new_state
-
-    def step(
-        self, tokens: Tensor, state: ActiveMemoryState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, ActiveMemoryState]:
-        """Consume `tokens` (B, T), T >= 0, and return the (B, V) natural-log
-        distribution of the token after each row's last real token, plus the state
-        after the tokens (the same state `score` would return)."""
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        h, new_state = self._run(tokens, state, lengths, include_last=True)
-        B, T1 = h.shape[0], h.shape[1]
-        idx = lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device)  # (B,)
-        h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
-        return self.output.log_probs(h_last), new_state
 
     # ---- internals -----------------------------------------------------------------
     def _run(self, tokens: Tensor, state: ActiveMemoryState, lengths: Tensor | None, include_last: bool):

@@ -33,7 +33,6 @@ from ..errors import ConfigError
 from ..state import (
     LMState,
     cat_right_aligned,
-    check_tokens,
     drop_empty_columns,
     keep_last,
     length_mask,
@@ -43,7 +42,7 @@ from ..state import (
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, _init_weights, residual_add
+from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 # ---- the span mask ---------------------------------------------------------------------
 
@@ -207,7 +206,7 @@ class SpanState(LMState):
 # ---- the LM shell shared with all-attention ------------------------------------------
 
 
-class CachedAttentionLM(nn.Module):
+class CachedAttentionLM(PendingTokenLM):
     """Embedding, a stack of layers that cache per-layer keys and values, final
     LayerNorm and output layer; implements the state contract over `SpanState`.
 
@@ -286,36 +285,6 @@ class CachedAttentionLM(nn.Module):
             values=[torch.empty(shape, dtype=p.dtype, device=device) for _ in self.layers],
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
-
-    def score(self, tokens: Tensor, state: SpanState, lengths: Tensor | None = None) -> tuple[Tensor, SpanState]:
-        """Target log-probs of `tokens` given the history in `state`.
-
-        tokens: (B, T) LongTensor. lengths: optional (B,): row b holds lengths[b] real
-        tokens followed by padding (any id); padded positions get log-prob 0 and do
-        not enter the returned state. Returns logp (B, T), natural log,
-        logp[b, t] = log p(tokens[b, t] | <s>, history, tokens[b, :t]), and the state
-        after each row's real tokens.
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return tokens.new_zeros((B, 0), dtype=torch.float32), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
-        return logp, new_state
-
-    def step(self, tokens: Tensor, state: SpanState, lengths: Tensor | None = None) -> tuple[Tensor, SpanState]:
-        """Consume `tokens` (B, T), T >= 0; return the (B, V) natural-log distribution
-        of the token after each row's last real token, and the state after the tokens
-        (the same state `score` returns)."""
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        h, new_state = self._run(tokens, state, lengths, include_last=True)
-        B, T1 = h.shape[0], h.shape[1]
-        idx = lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device)  # (B,)
-        h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
-        return self.output.log_probs(h_last), new_state
 
     # ---- internals -----------------------------------------------------------------
     def _run(self, tokens: Tensor, state: SpanState, lengths: Tensor | None, include_last: bool):

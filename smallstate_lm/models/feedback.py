@@ -44,7 +44,6 @@ from ..errors import ConfigError
 from ..state import (
     LMState,
     cat_right_aligned,
-    check_tokens,
     drop_empty_columns,
     keep_last,
     length_mask,
@@ -54,7 +53,7 @@ from ..state import (
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, _init_weights, residual_add
+from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +315,7 @@ class FeedbackLayer(nn.Module):
         return x
 
 
-class FeedbackLM(nn.Module):
+class FeedbackLM(PendingTokenLM):
     """Feedback-memory LM (arch "feedback"): see the module docstring. Hooks for the
     trainer and `eval`: `max_history` (mem_len or None) and `report()` (the learned
     layer weights of the memory)."""
@@ -369,39 +368,6 @@ class FeedbackLM(nn.Module):
             values=torch.empty(shape, dtype=p.dtype, device=device),
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
-
-    def score(
-        self, tokens: Tensor, state: FeedbackState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, FeedbackState]:
-        """Target log-probs of `tokens` given the history in `state`.
-
-        tokens: (B, T) LongTensor. lengths: optional (B,): row b holds lengths[b] real
-        tokens then padding (any id); padded positions get log-prob 0 and do not enter
-        the returned state. Returns logp (B, T), natural log, logp[b, t] =
-        log p(tokens[b, t] | <s>, history, tokens[b, :t]), and the state after each
-        row's real tokens.
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return tokens.new_zeros((B, 0), dtype=torch.float32), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
-        return logp, new_state
-
-    def step(
-        self, tokens: Tensor, state: FeedbackState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, FeedbackState]:
-        """Consume `tokens` (B, T), T >= 0; return the (B, V) natural-log distribution
-        of the token after each row's last real token, and the state `score` would
-        return."""
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        h, new_state = self._run(tokens, state, lengths, include_last=True)
-        B, T1 = h.shape[0], h.shape[1]
-        idx = lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device)  # (B,)
-        return self.output.log_probs(h[torch.arange(B, device=h.device), idx]), new_state
 
     # ---- internals -----------------------------------------------------------------
     def _run(self, tokens: Tensor, state: FeedbackState, lengths: Tensor | None, include_last: bool):

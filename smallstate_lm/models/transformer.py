@@ -195,7 +195,72 @@ class Layer(nn.Module):
         return x, k, v
 
 
-class TransformerLM(nn.Module):
+class PendingTokenLM(nn.Module):
+    """`score`, `step` and `log_probs_all` for models built on the pending-token design:
+    the state holds the history already run plus the last token, not yet run. A
+    subclass provides `cfg`, `output` (an OutputLayer) and
+    `_run(tokens, state, lengths, include_last) -> (hidden (B, T or T+1, d), new state)`,
+    which runs the pending token and tokens[:, :-1] (plus tokens[:, -1] when
+    include_last) and returns the state after each row's real tokens.
+    """
+
+    def score(
+        self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
+    ) -> tuple[Tensor, LMState]:
+        """Target log-probs of `tokens` given the history in `state`.
+
+        tokens: (B, T) LongTensor. lengths: optional (B,) — row b holds
+        lengths[b] real tokens followed by padding (any id); padded positions get
+        log-prob 0 and do not enter the returned state. Returns logp (B, T), natural
+        log, logp[b, t] = log p(tokens[b, t] | <s>, history, tokens[b, :t]); and the
+        state after each row's real tokens. End a sentence with `</s>` to score it
+        whole. Only target log-probs are computed (chunked; no (B, T, V) tensor).
+        """
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        B, T = tokens.shape
+        if T == 0:
+            return tokens.new_zeros((B, 0), dtype=torch.float32), state
+        h, new_state = self._run(tokens, state, lengths, include_last=False)
+        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
+        if lengths is not None:
+            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
+        return logp, new_state
+
+    def step(
+        self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
+    ) -> tuple[Tensor, LMState]:
+        """Consume `tokens` (B, T), T >= 0, and return the (B, V) natural-log
+        distribution of the token after each row's last real token, plus the state
+        after the tokens (the same state `score` would return)."""
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        h, new_state = self._run(tokens, state, lengths, include_last=True)
+        B, T1 = h.shape[0], h.shape[1]
+        idx = (lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device))  # (B,)
+        h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
+        return self.output.log_probs(h_last), new_state
+
+    def log_probs_all(
+        self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
+    ) -> tuple[Tensor, LMState]:
+        """The whole next-token distribution at every position (distillation).
+
+        tokens: (B, T); lengths: optional (B,) as in `score`. Returns logp (B, T, V),
+        natural log, logp[b, t] = log p(. | <s>, history, tokens[b, :t]) (so
+        logp[b, t, tokens[b, t]] is `score`'s value; 0 at padded positions), and the
+        state after each row's real tokens.
+        """
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        B, T = tokens.shape
+        if T == 0:
+            return torch.zeros(B, 0, self.cfg.vocab_size, device=tokens.device), state
+        h, new_state = self._run(tokens, state, lengths, include_last=False)
+        logp = self.output.log_probs(h.reshape(B * T, -1)).view(B, T, -1)  # (B, T, V)
+        if lengths is not None:
+            logp = logp.masked_fill(~length_mask(lengths, T)[:, :, None], 0.0)
+        return logp, new_state
+
+
+class TransformerLM(PendingTokenLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
@@ -224,61 +289,6 @@ class TransformerLM(nn.Module):
                                                     for _ in self.layers],
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
-
-    def score(
-        self, tokens: Tensor, state: TransformerState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, TransformerState]:
-        """Target log-probs of `tokens` given the history in `state`.
-
-        tokens: (B, T) LongTensor. lengths: optional (B,) — row b holds
-        lengths[b] real tokens followed by padding (any id); padded positions get
-        log-prob 0 and do not enter the returned state. Returns logp (B, T), natural
-        log, logp[b, t] = log p(tokens[b, t] | <s>, history, tokens[b, :t]); and the
-        state after each row's real tokens. End a sentence with `</s>` to score it
-        whole. Only target log-probs are computed (chunked; no (B, T, V) tensor).
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return tokens.new_zeros((B, 0), dtype=torch.float32), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
-        return logp, new_state
-
-    def step(
-        self, tokens: Tensor, state: TransformerState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, TransformerState]:
-        """Consume `tokens` (B, T), T >= 0, and return the (B, V) natural-log
-        distribution of the token after each row's last real token, plus the state
-        after the tokens (the same state `score` would return)."""
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        h, new_state = self._run(tokens, state, lengths, include_last=True)
-        B, T1 = h.shape[0], h.shape[1]
-        idx = (lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device))  # (B,)
-        h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
-        return self.output.log_probs(h_last), new_state
-
-    def log_probs_all(
-        self, tokens: Tensor, state: TransformerState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, TransformerState]:
-        """The whole next-token distribution at every position (distillation).
-
-        tokens: (B, T); lengths: optional (B,) as in `score`. Returns logp (B, T, V),
-        natural log, logp[b, t] = log p(. | <s>, history, tokens[b, :t]) (so
-        logp[b, t, tokens[b, t]] is `score`'s value; 0 at padded positions), and the
-        state after each row's real tokens.
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return torch.zeros(B, 0, self.cfg.vocab_size, device=tokens.device), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.log_probs(h.reshape(B * T, -1)).view(B, T, -1)  # (B, T, V)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T)[:, :, None], 0.0)
-        return logp, new_state
 
     def score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None) -> Tensor:
         """Score a prefix trie in one pass ("tree attention"): every node attends to

@@ -34,7 +34,6 @@ from ..state import (
     LMState,
     append_right_aligned,
     cat_right_aligned,
-    check_tokens,
     drop_empty_columns,
     keep_last,
     length_mask,
@@ -42,7 +41,7 @@ from ..state import (
 from ..vocab import BOS_ID
 from .config import ModelConfig
 from .output import OutputLayer
-from .transformer import FeedForward, _init_weights, residual_add
+from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +167,7 @@ class Layer(nn.Module):
         return x
 
 
-class TransformerXLLM(nn.Module):
+class TransformerXLLM(PendingTokenLM):
     """Transformer-XL LM under the state contract (see the module docstring).
 
     The most recent token is kept pending in the state and run only when the next
@@ -214,40 +213,6 @@ class TransformerXLLM(nn.Module):
             mems=[torch.empty(shape, dtype=p.dtype, device=device) for _ in self.layers],
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
-
-    def score(
-        self, tokens: Tensor, state: TransformerXLState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, TransformerXLState]:
-        """Target log-probs of `tokens` given the history in `state`.
-
-        tokens: (B, T) LongTensor. lengths: optional (B,): row b holds lengths[b] real
-        tokens followed by padding (any id); padded positions get log-prob 0 and do not
-        enter the returned state. Returns logp (B, T), natural log, logp[b, t] =
-        log p(tokens[b, t] | <s>, history, tokens[b, :t]) within the attention window;
-        and the state after each row's real tokens.
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return tokens.new_zeros((B, 0), dtype=torch.float32), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
-        return logp, new_state
-
-    def step(
-        self, tokens: Tensor, state: TransformerXLState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, TransformerXLState]:
-        """Consume `tokens` (B, T), T >= 0, and return the (B, V) natural-log
-        distribution of the token after each row's last real token, plus the state
-        after the tokens (the same state `score` would return)."""
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        h, new_state = self._run(tokens, state, lengths, include_last=True)
-        B, T1 = h.shape[0], h.shape[1]
-        idx = lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device)  # (B,)
-        h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
-        return self.output.log_probs(h_last), new_state
 
     # ---- internals -----------------------------------------------------------------
     def _run(self, tokens: Tensor, state: TransformerXLState, lengths: Tensor | None, include_last: bool):
