@@ -527,6 +527,8 @@ class Engine:
                          "graph": sc["graph"], "neural": sc.get("neural"), "ngram": sc.get("ngram"),
                          "penalty": w.word_penalty * sc["n_words"] + w.oov_penalty * sc["n_oov"],
                          "n_words": sc["n_words"], "n_oov": sc["n_oov"]}
+                    if "expected_errors" in sc:
+                        d["expected_errors"] = sc["expected_errors"]
                     if r.token_logprobs:
                         d["token_logprobs"] = {
                             "neural": c.neural_tok[j].tolist() if c.neural_tok is not None else None,

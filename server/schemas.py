@@ -115,6 +115,10 @@ class WeightsIn(_Strict):
     oov_penalty: Optional[WeightValue] = None
     interpolation: Optional[Literal["loglinear", "linear"]] = None
     lam: Optional[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = None
+    mbr_scale: Optional[Annotated[float, Field(ge=0.0, le=MAX_ABS_WEIGHT, allow_inf_nan=False)]] = Field(
+        None, description="Hypothesis lists: > 0 ranks by minimum Bayes risk, the fewest expected word errors "
+        "under the posterior softmax(mbr_scale * total) over the list; 0 ranks by total. Lattices keep their "
+        "best path.")
 
 
 class RescoreRequest(_Strict):
@@ -147,6 +151,8 @@ class ScoredHypothesis(BaseModel):
     penalty: float
     n_words: int
     n_oov: int
+    expected_errors: Optional[float] = Field(None, description="Under MBR (mbr_scale > 0): expected word errors "
+                                             "of this hypothesis against the list's posterior.")
     token_logprobs: Optional[TokenLogprobs] = None
 
 
@@ -179,6 +185,7 @@ class WeightsOut(BaseModel):
     oov_penalty: float
     interpolation: Literal["loglinear", "linear"]
     lam: float
+    mbr_scale: float
 
 
 class RescoreResponse(BaseModel):

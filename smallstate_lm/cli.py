@@ -299,6 +299,9 @@ def rescore(
     w = _weights(weights, set_)
     ref = read_text(refs) if refs else None
     if kinds == {True}:
+        if w.mbr_scale > 0:
+            typer.echo("note: mbr_scale applies to n-best lists; lattices are rescored by their best path",
+                       err=True)
         _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam,
                           max_per_state, max_states, nbest, quiet, ray, ray_actors)
         return
@@ -380,6 +383,8 @@ def tune(
     search: str = typer.Option("lm_weight,ngram_weight,word_penalty", help="Comma-separated weights to tune."),
     interpolation: str = typer.Option("loglinear", help="loglinear or linear (then lam is tuned too)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of WER against lm_weight (needs matplotlib)."),
+    mbr: bool = typer.Option(False, "--mbr", help="N-best lists: also tune mbr_scale, the posterior scale of "
+                             "minimum-Bayes-risk selection (0 keeps the highest total)."),
     device: str = typer.Option("auto"),
     batch_tokens: int = typer.Option(8192),
     quiet: bool = typer.Option(False),
@@ -407,14 +412,20 @@ def tune(
     if bool(nbest) == bool(lattices):
         raise ConfigError("give dev n-best lists or dev lattices to tune on, one of the two")
     if lattices:
+        if mbr:
+            raise ConfigError("--mbr tunes the choice among n-best hypotheses; lattices are rescored by their "
+                              "best path, so tune them without it")
         _tune_lattices(lattices, words, refs, lm, ngram, base, grid, out, device, exact, max_ngram_order, quiet)
         return
     utts = [u for p in nbest for u in read_nbest(p)]
     ref = read_text(refs)
     neural, ng = _scorers(lm, ngram, device, batch_tokens)
     comps, _ = compute_components(utts, neural, ng, progress=not quiet)
-    r = run_tune(utts, comps, ref, base, grid)
+    r = run_tune(utts, comps, ref, base, grid, mbr=mbr)
     typer.echo(surface_text(r))
+    if r.mbr_errors is not None:
+        typer.echo("WER% vs mbr_scale (other weights before the MBR pass): " + "  ".join(
+            f"{m:g}:{100 * e / r.ref_words:.2f}" for m, e in r.mbr_errors))
     typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  oracle WER "
                f"{100 * r.oracle_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
                f"({len(utts)} utterances, {r.ref_words} reference words)")

@@ -31,6 +31,9 @@ class Weights:
 
     With interpolation="linear" the neural and n-gram terms are replaced by
     lm_weight * sum_t log(lam * p_nn(t) + (1 - lam) * p_ng(t)).
+    mbr_scale > 0 picks hypotheses of an n-best list by minimum Bayes risk instead of the
+    highest total: the posterior over the list is softmax(mbr_scale * total) and the
+    hypothesis with the fewest expected word errors against it wins (0 = highest total).
     Defaults suit a decoder whose am is a raw acoustic log-likelihood (Kaldi-style
     acoustic scale 1/10) and whose graph score is a natural-log LM probability;
     graph_scale=0 replaces the first-pass LM instead of adding to it.
@@ -44,12 +47,15 @@ class Weights:
     oov_penalty: float = 0.0
     interpolation: Literal["loglinear", "linear"] = "loglinear"
     lam: float = 0.5
+    mbr_scale: float = 0.0
 
     def __post_init__(self):
         if self.interpolation not in ("loglinear", "linear"):
             raise ConfigError(f"interpolation must be 'loglinear' or 'linear', got {self.interpolation!r}")
         if not 0.0 <= self.lam <= 1.0:
             raise ConfigError(f"lam must lie in [0, 1], got {self.lam}")
+        if self.mbr_scale < 0:
+            raise ConfigError(f"mbr_scale must be >= 0 (0 = no MBR), got {self.mbr_scale}")
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, float) and not math.isfinite(v):

@@ -21,11 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from conftest import REPO, TEST_DATA, run_cli
 
 from smallstate_lm.rescoring.lattice import SymbolTable, lattice_to_text, read_fst
 from smallstate_lm.rescoring.nbest import read_nbest
+from smallstate_lm.rescoring.wer import align_counts
 
 LAT_DIR = TEST_DATA / "lattices"
 TOL = dict(rel=1e-5, abs=1e-4)  # float32 forward passes in different batch compositions
@@ -178,6 +180,20 @@ def test_nbest_matches_cli(server, tmp_path, tiny_lm_dir, kenlm_model):
         assert h["penalty"] == -0.5 * c["n_words"]
         assert len(h["token_logprobs"]["neural"]) == c["n_words"] + 1
         assert sum(h["token_logprobs"]["ngram"]) == pytest.approx(c["ngram"], **TOL)
+    # minimum Bayes risk: ranked by the expected errors the library computes from the same totals
+    req = nbest_request(utts[:1])
+    req["weights"] = {"mbr_scale": 0.5}
+    body = post(server, "/rescore", req).json()
+    assert body["weights"]["mbr_scale"] == 0.5
+    hyps = body["utterances"][0]["hypotheses"]
+    words = [h["words"] for h in want[utts[0].utt]]
+    tot = {h["id"]: h["total"] for h in want[utts[0].utt]}
+    post_ = np.exp(0.5 * (np.array(list(tot.values())) - max(tot.values())))
+    post_ /= post_.sum()
+    for h in hyps:
+        risk = sum(p * align_counts(other, h["words"]).errors for other, p in zip(words, post_))
+        assert h["expected_errors"] == pytest.approx(risk, rel=1e-6, abs=1e-9)
+    assert [h["expected_errors"] for h in hyps] == sorted(h["expected_errors"] for h in hyps)
 
 
 def test_lattices_match_cli(server, tmp_path, tiny_lm_dir, kenlm_model):
@@ -279,6 +295,7 @@ BAD_REQUESTS = [  # (body, status, field)
                                               }, "context": "x"}]}, 422, "utterances[0].context"),
     ({"utterances": [utt()], "weights": {"lam": 2}}, 422, "weights.lam"),
     ({"utterances": [utt()], "weights": {"lm_wieght": 1}}, 422, "weights.lm_wieght"),
+    ({"utterances": [utt()], "weights": {"mbr_scale": -1}}, 422, "weights.mbr_scale"),
     ({"utterances": [utt()], "nbest": 0}, 422, "nbest"),
     ({"utterances": [utt(hyp("zzxq qqzx xxqz"))]}, 422, "utterances"),  # vocabulary mismatch
     ({"utterances": [utt(hyp("the \ud800 lord"))]}, 422, "utterances[0].hypotheses[0].text"),

@@ -13,8 +13,12 @@ from ..errors import ConfigError, SmallstateError
 from ..ngram import NgramLM
 from ..scoring import NeuralScorer, Weights, check_overlap, log_mix
 from .nbest import Utterance
+from .wer import pairwise_errors
 
 COMPONENTS = ("am", "graph", "neural", "ngram", "n_words", "n_oov")
+# MBR compares hypotheses pairwise (quadratic), so it considers the first ones of each list
+# in the decoder's order; the rest are ranked after them by total.
+MBR_MAX_HYPS = 100
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Components:
     ngram: np.ndarray | None = None
     neural_tok: list[np.ndarray] | None = None  # per hypothesis: words + </s>
     ngram_tok: list[np.ndarray] | None = None
+    distances: np.ndarray | None = None  # word edit distances among the MBR candidates, filled on demand
 
     def matrix(self) -> np.ndarray:
         """(n_hyps, 6) in the order of COMPONENTS; a missing LM contributes zeros."""
@@ -54,6 +59,33 @@ def totals(c: Components, w: Weights) -> np.ndarray:
         return (w.am_scale * m[:, 0] + w.graph_scale * m[:, 1] + w.lm_weight * linear_lm(c, w.lam)
                 + w.word_penalty * m[:, 4] + w.oov_penalty * m[:, 5])
     return c.matrix() @ weight_vector(w)
+
+
+def mbr_distances(u: Utterance, c: Components) -> np.ndarray:
+    """(n, n) word edit distances among the first MBR_MAX_HYPS hypotheses, cached on `c`."""
+    if c.distances is None:
+        c.distances = pairwise_errors([h.words for h in u.hyps[:MBR_MAX_HYPS]])
+    return c.distances
+
+
+def expected_errors(tot: np.ndarray, distances: np.ndarray, scale: float) -> np.ndarray:
+    """Expected word errors of each MBR candidate against the posterior softmax(scale * total)
+    over the candidates."""
+    t = scale * tot[: len(distances)]
+    p = np.exp(t - t.max())
+    return distances @ (p / p.sum())
+
+
+def ranking(u: Utterance, c: Components, w: Weights) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(order best-first, totals, expected errors of the MBR candidates or None)."""
+    tot = totals(c, w)
+    if w.mbr_scale <= 0:
+        return np.argsort(-tot, kind="stable"), tot, None
+    risk = expected_errors(tot, mbr_distances(u, c), w.mbr_scale)
+    n = len(risk)
+    head = np.lexsort((-tot[:n], risk))  # fewest expected errors, ties to the higher total
+    tail = n + np.argsort(-tot[n:], kind="stable")
+    return np.concatenate([head, tail]), tot, risk
 
 
 @dataclass
@@ -111,12 +143,12 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
 
 
 def apply_weights(utts: Sequence[Utterance], comps: Sequence[Components], w: Weights) -> list[Utterance]:
-    """New utterances with hypotheses sorted best-first, each carrying its components,
-    `total` and `rank` in `scores`."""
+    """New utterances with hypotheses sorted best-first (highest total, or fewest expected
+    errors under MBR), each carrying its components, `total`, `rank` and, under MBR,
+    `expected_errors` in `scores`."""
     out = []
     for u, c in zip(utts, comps):
-        tot = totals(c, w)
-        order = np.argsort(-tot, kind="stable")
+        order, tot, risk = ranking(u, c, w)
         hyps = []
         for rank, j in enumerate(order):
             h = u.hyps[j]
@@ -126,6 +158,8 @@ def apply_weights(utts: Sequence[Utterance], comps: Sequence[Components], w: Wei
                 scores["neural"] = float(c.neural[j])
             if c.ngram is not None:
                 scores["ngram"] = float(c.ngram[j])
+            if risk is not None and j < len(risk):
+                scores["expected_errors"] = float(risk[j])
             hyps.append(type(h)(words=h.words, am=h.am, graph=h.graph, id=h.id, scores=scores))
         out.append(Utterance(u.utt, hyps))
     return out

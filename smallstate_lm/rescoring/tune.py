@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ConfigError, SmallstateError
 from ..scoring import Weights
 from .nbest import Utterance
-from .rescore import COMPONENTS, Components, linear_lm, weight_vector
+from .rescore import COMPONENTS, Components, linear_lm, mbr_distances, weight_vector
 from .wer import align_counts
 
 DEFAULT_GRID = {
@@ -23,6 +23,8 @@ DEFAULT_GRID = {
     "word_penalty": np.round(np.arange(-3.0, 3.01, 0.25), 3).tolist(),
 }
 SEARCHABLE = ("am_scale", "graph_scale", "lm_weight", "ngram_weight", "word_penalty", "oov_penalty", "lam")
+# posterior scales tried by `tune(..., mbr=True)`; 0 keeps the highest total
+MBR_GRID = [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0]
 
 
 @dataclass
@@ -34,6 +36,7 @@ class TuneResult:
     oracle_errors: int
     grid: dict[str, list[float]]
     surface: np.ndarray  # errors over the grid, axes in `grid` order (lam first when linear)
+    mbr_errors: list[tuple[float, int]] | None = None  # (mbr_scale, errors) at the best other weights
 
     @property
     def wer(self) -> float:
@@ -49,9 +52,11 @@ def hypothesis_errors(utts: Sequence[Utterance], refs: dict[str, list[str]]) -> 
 
 
 class _Stack:
-    """Padded (U, H, 6) components with -inf totals for missing hypotheses."""
+    """Padded (U, H, 6) components with -inf totals for missing hypotheses; with
+    `distances`, also the padded (U, C, C) edit distances among each list's MBR candidates."""
 
-    def __init__(self, comps: Sequence[Components], errs: Sequence[np.ndarray]):
+    def __init__(self, comps: Sequence[Components], errs: Sequence[np.ndarray],
+                 distances: Sequence[np.ndarray] | None = None):
         U, H = len(comps), max(len(e) for e in errs)
         self.m = np.zeros((U, H, len(COMPONENTS)))
         self.valid = np.zeros((U, H), dtype=bool)
@@ -60,14 +65,35 @@ class _Stack:
             self.m[i, : len(e)] = c.matrix()
             self.valid[i, : len(e)] = True
             self.err[i, : len(e)] = e
+        self.dist = None
+        if distances is not None:
+            C = max(len(d) for d in distances)
+            self.dist = np.zeros((U, C, C))
+            self.cand = np.zeros((U, C), dtype=bool)
+            for i, d in enumerate(distances):
+                self.dist[i, : len(d), : len(d)] = d
+                self.cand[i, : len(d)] = True
 
-    def errors(self, W: np.ndarray, chunk: int = 512) -> np.ndarray:
-        """W (S, 6) weight vectors -> (S,) total errors of the argmax hypotheses."""
+    def errors(self, W: np.ndarray, mbr_scale: float = 0.0, chunk: int = 512) -> np.ndarray:
+        """W (S, 6) weight vectors -> (S,) total errors of the chosen hypotheses: the
+        highest total, or with mbr_scale > 0 the fewest expected errors."""
         out = np.empty(len(W))
+        if mbr_scale > 0:
+            chunk = max(1, chunk // 8)  # the (S, U, C, C) product is the big array here
         for s in range(0, len(W), chunk):
             t = np.einsum("uhk,sk->suh", self.m, W[s : s + chunk])  # (S, U, H)
             t = np.where(self.valid[None], t, -np.inf)
-            best = t.argmax(axis=2)  # (S, U)
+            if mbr_scale > 0:
+                C = self.dist.shape[1]
+                tc = np.where(self.cand[None], mbr_scale * t[:, :, :C], -np.inf)  # (S, U, C)
+                p = np.exp(tc - tc.max(axis=2, keepdims=True))
+                p /= p.sum(axis=2, keepdims=True)
+                risk = np.einsum("suj,uij->sui", p, self.dist)  # (S, U, C)
+                risk = np.where(self.cand[None], risk, np.inf)
+                # ties go to the higher total, as in `ranking`
+                best = np.lexsort((-tc, risk), axis=2)[..., 0]
+            else:
+                best = t.argmax(axis=2)  # (S, U)
             out[s : s + chunk] = np.take_along_axis(self.err[None], best[..., None], axis=2)[..., 0].sum(axis=1)
         return out
 
@@ -85,7 +111,11 @@ def _smooth(x: np.ndarray) -> np.ndarray:
 
 
 def tune(utts: Sequence[Utterance], comps: Sequence[Components], refs: dict[str, list[str]], base: Weights,
-         grid: dict[str, list[float]] | None = None, refine: bool = True) -> TuneResult:
+         grid: dict[str, list[float]] | None = None, refine: bool = True, mbr: bool = False) -> TuneResult:
+    """Grid search, then a finer coordinate search around the best point. With `mbr`,
+    the MBR posterior scale is then chosen from MBR_GRID at those weights, and each
+    weight is searched once more over its grid under that scale (MBR often wants a
+    different LM weight)."""
     grid = dict(grid or DEFAULT_GRID)
     for k, v in grid.items():
         if k not in SEARCHABLE:
@@ -102,21 +132,30 @@ def tune(utts: Sequence[Utterance], comps: Sequence[Components], refs: dict[str,
     baseline = int(sum(e[0] for e in errs))
     oracle = int(sum(e.min() for e in errs))
     keys = list(grid)
+    base = dataclasses.replace(base, mbr_scale=0.0) if mbr else base
+    dists = [mbr_distances(u, c) for u, c in zip(utts, comps)] if mbr or base.mbr_scale > 0 else None
+    stacks: dict[float | None, _Stack] = {}
 
-    def vectors(points: list[dict]) -> np.ndarray:
-        return np.array([weight_vector(dataclasses.replace(base, **p)) for p in points])
+    def stack(lam: float | None) -> _Stack:
+        if lam not in stacks:
+            # linear: the interpolated LM sits in the neural column; the n-gram column is empty
+            cs = comps if lam is None else [dataclasses.replace(c, neural=linear_lm(c, lam), ngram=None)
+                                             for c in comps]
+            stacks[lam] = _Stack(cs, errs, dists)
+        return stacks[lam]
 
-    def errors_for(points: list[dict]) -> np.ndarray:
+    def errors_for(points: list[dict], mbr_scale: float | None = None) -> np.ndarray:
+        scale = base.mbr_scale if mbr_scale is None else mbr_scale
         if base.interpolation != "linear":
-            return _Stack(comps, errs).errors(vectors(points))
+            return stack(None).errors(np.array([weight_vector(dataclasses.replace(base, **p)) for p in points]),
+                                      scale)
         out = np.empty(len(points))
         by_lam: dict[float, list[int]] = {}
         for i, p in enumerate(points):
             by_lam.setdefault(p.get("lam", base.lam), []).append(i)
         for lam, idx in by_lam.items():
-            lin = [dataclasses.replace(c, neural=linear_lm(c, lam), ngram=None) for c in comps]
-            # the interpolated LM sits in the neural column; the n-gram column is empty
-            out[idx] = _Stack(lin, errs).errors(vectors([{**points[i], "lam": lam} for i in idx]))
+            W = np.array([weight_vector(dataclasses.replace(base, **{**points[i], "lam": lam})) for i in idx])
+            out[idx] = stack(lam).errors(W, scale)
         return out
 
     points = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
@@ -136,9 +175,23 @@ def tune(utts: Sequence[Utterance], comps: Sequence[Components], refs: dict[str,
             j = int(np.argmin(ce))
             if ce[j] < best_err:
                 best_point, best_err = cands[j], float(ce[j])
+    mbr_errors = None
+    if mbr:
+        me = np.array([errors_for([best_point], m)[0] for m in MBR_GRID])
+        j = int(np.argmin(me + 1e-3 * _smooth(me)))
+        mbr_errors = [(m, int(x)) for m, x in zip(MBR_GRID, me)]
+        if me[j] < best_err:
+            best_err = float(me[j])
+            best_point = {**best_point, "mbr_scale": MBR_GRID[j]}
+            for k in keys:
+                cands = [{**best_point, k: v} for v in grid[k]]
+                ce = errors_for(cands, MBR_GRID[j])
+                i = int(np.argmin(ce))
+                if ce[i] < best_err:
+                    best_point, best_err = cands[i], float(ce[i])
     w = dataclasses.replace(base, **best_point)
     return TuneResult(weights=w, errors=int(best_err), ref_words=ref_words, baseline_errors=baseline,
-                      oracle_errors=oracle, grid=grid, surface=surface)
+                      oracle_errors=oracle, grid=grid, surface=surface, mbr_errors=mbr_errors)
 
 
 def surface_text(r: TuneResult) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import kaldialign
+import numpy as np
 
 
 @dataclass
@@ -34,6 +35,17 @@ class ErrorCounts:
 def align_counts(ref: Sequence[str], hyp: Sequence[str]) -> ErrorCounts:
     d = kaldialign.edit_distance(list(ref), list(hyp))
     return ErrorCounts(sub=d["sub"], dels=d["del"], ins=d["ins"], ref_words=len(ref))
+
+
+def pairwise_errors(seqs: Sequence[Sequence[str]]) -> np.ndarray:
+    """(n, n) word edit distances between every pair of sequences (symmetric, zero diagonal)."""
+    n = len(seqs)
+    d = np.zeros((n, n))
+    lists = [list(s) for s in seqs]
+    for i in range(n):
+        for j in range(i + 1, n):
+            d[i, j] = d[j, i] = kaldialign.edit_distance(lists[i], lists[j])["total"]
+    return d
 
 
 def corpus_wer(refs: dict[str, list[str]], hyps: dict[str, list[str]]) -> tuple[ErrorCounts, dict[str, ErrorCounts]]:
