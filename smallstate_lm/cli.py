@@ -248,13 +248,13 @@ def _scorers(lm: Optional[Path], ngram: Optional[Path], device: str, batch_token
     return neural, (NgramLM(ngram) if ngram is not None else None)
 
 
-def _weights(path: Optional[Path], overrides: list[str]):
+def _weights(path: Optional[Path], overrides: list[str], direct: dict | None = None):
     import dataclasses
 
     from .scoring import Weights
 
     w = Weights.load(path) if path else Weights()
-    ov = parse_overrides(overrides)
+    ov = {**parse_overrides(overrides), **{k: v for k, v in (direct or {}).items() if v is not None}}
     try:
         return dataclasses.replace(w, **ov)
     except TypeError as e:
@@ -268,6 +268,11 @@ def rescore(
     ngram: Optional[Path] = typer.Option(None, "--ngram", help="KenLM ARPA/binary."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="weights.json from `tune`."),
     set_: List[str] = typer.Option([], "--set", help="Weight override key=value, e.g. --set lm_weight=0.8."),
+    lm_weight: Optional[float] = typer.Option(None, "--lm-weight", help="Override the neural LM weight."),
+    ngram_weight: Optional[float] = typer.Option(None, "--ngram-weight", help="Override the n-gram weight."),
+    word_penalty: Optional[float] = typer.Option(None, "--word-penalty", help="Override the per-word penalty."),
+    mbr_scale: Optional[float] = typer.Option(None, "--mbr-scale", help="Override the MBR posterior scale "
+                                              "(n-best lists; 0 = highest total)."),
     refs: Optional[Path] = typer.Option(None, "--refs", help="Reference text `utt w1 w2 ...` for WER."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory."),
     device: str = typer.Option("auto"),
@@ -296,7 +301,9 @@ def rescore(
     kinds = {_is_lattice(p) for p in inputs}
     if len(kinds) > 1:
         raise ConfigError("give either n-best files or lattice files, not both")
-    w = _weights(weights, set_)
+    direct = {"lm_weight": lm_weight, "ngram_weight": ngram_weight, "word_penalty": word_penalty,
+              "mbr_scale": mbr_scale}
+    w = _weights(weights, set_, direct)
     ref = read_text(refs) if refs else None
     if kinds == {True}:
         if w.mbr_scale > 0:
