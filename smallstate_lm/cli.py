@@ -76,6 +76,8 @@ def train(
     vocab_from: Optional[Path] = typer.Option(None, help="Use this run directory's (or vocab.txt's) vocabulary."),
     stream: bool = typer.Option(False, help="Train on running text: consecutive --max-len segments with the "
                                 "state carried across (models with bounded state: xl-small, span-small, ...)."),
+    precision: str = typer.Option("auto", help="Matmul precision under autocast: auto (bf16 on CUDA, fp32 on CPU), "
+                                  "fp32, or bf16 (also on CPUs with bf16 units such as AMX; weights stay fp32)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
 ):
@@ -91,7 +93,7 @@ def train(
         clip=clip, valid_every=valid_every, patience=patience, seed=seed, min_count=min_count,
         max_vocab=max_vocab, lowercase=lowercase, device=device, resume=resume, progress=not quiet,
         init_from=str(init_from) if init_from else None, vocab_from=str(vocab_from) if vocab_from else None,
-        stream=stream, clock=clock,
+        stream=stream, clock=clock, precision=precision,
     )
     existed = out.exists()
     try:

@@ -69,6 +69,9 @@ class TrainConfig:
     # Stream mode: consecutive max_len-token segments of running text, the model state
     # carried (detached) from one segment to the next; needs a model with bounded history.
     stream: bool = False
+    # Matmul precision under autocast: "auto" = bf16 on CUDA, fp32 on CPU; "bf16" on CPU
+    # pays off where the CPU has bf16 matrix units (AMX, AVX512-BF16). Weights stay fp32.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     progress: bool = True
 
 
@@ -206,6 +209,8 @@ def train(tc: TrainConfig, loss_fn: LossFn | None = None) -> dict:
 
 def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed) -> dict:
     device = dist.device
+    if tc.precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"precision must be auto, fp32 or bf16, got {tc.precision!r}")
     if dist.enabled and loss_fn is not None:
         raise ConfigError("distillation runs in one process; start it without torchrun")
 
@@ -316,8 +321,8 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
             extra["cuda_rng"] = torch.cuda.get_rng_state()
         save_checkpoint(out / LAST_FILE, model, vocab, **extra)
 
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else contextlib.nullcontext())
+    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     if resume_obj is None:
         log({"event": "start", "params": count_parameters(model), "config": cfg.to_dict(),
              "train_sentences": len(train_sents), "vocab_size": len(vocab), "batches_per_epoch": len(batcher),

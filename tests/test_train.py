@@ -131,3 +131,18 @@ def test_stream_mode_refuses_a_model_with_unbounded_state(small_corpus, tmp_path
                      max_steps=2, progress=False)
     with pytest.raises(ConfigError, match="stream mode needs a model whose state is bounded"):
         train(tc)
+
+
+def test_bf16_autocast_on_cpu_trains_fp32_weights_close_to_fp32_training(small_corpus, tmp_path):
+    fp32 = train(tc(small_corpus, tmp_path / "fp32", max_steps=20))
+    bf16 = train(tc(small_corpus, tmp_path / "bf16", max_steps=20, precision="bf16"))
+    losses = {name: [r["loss"] for r in read_log(tmp_path / name) if "loss" in r] for name in ("fp32", "bf16")}
+    # the same batches, so the first step's loss differs only by bf16 rounding
+    assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], rel=2e-2)
+    assert losses["bf16"][-1] < losses["bf16"][0]
+    assert bf16["best_valid_ppl"] == pytest.approx(fp32["best_valid_ppl"], rel=0.1)
+    lm = load_model(tmp_path / "bf16")
+    assert {p.dtype for p in lm.model.parameters()} == {torch.float32}
+    with pytest.raises(ConfigError, match="precision"):
+        train(tc(small_corpus, tmp_path / "bad", max_steps=2, precision="fp16"))
+    assert not (tmp_path / "bad").exists()
