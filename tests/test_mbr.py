@@ -15,8 +15,10 @@ from smallstate_lm.rescoring.rescore import (
     Components,
     apply_weights,
     compute_components,
+    mbr_distances,
     ranking,
     totals,
+    weight_vector,
 )
 from smallstate_lm.rescoring.tune import MBR_GRID, _Stack, hypothesis_errors, tune
 from smallstate_lm.rescoring.wer import align_counts, pairwise_errors
@@ -87,8 +89,6 @@ def dev_lists(kenlm_model):
 def test_vectorised_mbr_errors_match_ranking_each_list(dev_lists):
     utts, comps, refs = dev_lists
     errs, _ = hypothesis_errors(utts, refs)
-    from smallstate_lm.rescoring.rescore import mbr_distances, weight_vector
-
     stack = _Stack(comps, errs, [mbr_distances(u, c) for u, c in zip(utts, comps)])
     rng = np.random.default_rng(0)
     for _ in range(5):
@@ -136,3 +136,44 @@ def test_cli_tune_mbr_then_rescore(tmp_path, kenlm_model):
     proc = run_cli("tune", TEST_DATA / "lattices" / "slt-dev0000.lat.fst", "--refs", TEST_DATA / "ref.txt", "--ngram",
                    kenlm_model, "-o", weights, "--mbr", "--quiet")
     assert proc.returncode == 2 and "--mbr" in proc.stderr and "Traceback" not in proc.stderr
+
+
+W_TIE = Weights(am_scale=1.0, graph_scale=0.0, lm_weight=0.0, ngram_weight=0.0, mbr_scale=0.5)
+
+
+def make_list(words, am):
+    u = Utterance("u", [Hypothesis(words=w.split(), am=a, graph=0.0, id=str(i)) for i, (w, a) in
+                        enumerate(zip(words, am))])
+    c = Components(am=np.array(am, dtype=float), graph=np.zeros(len(am)),
+                   n_words=np.array([len(w.split()) for w in words], dtype=float), n_oov=np.zeros(len(am)))
+    return u, c
+
+
+def test_tied_risks_go_to_the_first_hypothesis_in_ranking_and_tuning():
+    # equal totals: a uniform posterior; "b a" and "a a" both have expected errors 1.4
+    u, c = make_list(["b a", "b b", "c", "a a", "a c c"], [0.0] * 5)
+    order, tot, risk = ranking(u, c, W_TIE)
+    assert risk[0] == risk[3]
+    assert order[0] == 0
+    errs = [np.arange(5, dtype=float)]  # the error count names the chosen hypothesis
+    stack = _Stack([c], errs, [mbr_distances(u, c)])
+    assert stack.errors(weight_vector(W_TIE)[None], W_TIE.mbr_scale)[0] == order[0]
+    risks = [h.scores["expected_errors"] for h in apply_weights([u], [c], W_TIE)[0].hyps]
+    assert risks == sorted(risks)
+
+
+def test_vectorised_mbr_matches_ranking_on_random_lists():
+    rng = np.random.default_rng(5)
+    vocab = list("abc")
+    for _ in range(300):
+        us, cs, errs = [], [], []
+        for _ in range(int(rng.integers(1, 4))):
+            n = int(rng.choice([1, 2, 4, 6, 103]))
+            u, c = make_list([" ".join(rng.choice(vocab, rng.integers(1, 4))) for _ in range(n)],
+                         rng.integers(-2, 1, n).astype(float).tolist())
+            us.append(u), cs.append(c), errs.append(rng.integers(0, 4, n).astype(float))
+        stack = _Stack(cs, errs, [mbr_distances(u, c) for u, c in zip(us, cs)])
+        for scale in (0.5, 1.0):
+            w = Weights(am_scale=1.0, graph_scale=0.0, lm_weight=0.0, ngram_weight=0.0, mbr_scale=scale)
+            want = sum(e[ranking(u, c, w)[0][0]] for u, c, e in zip(us, cs, errs))
+            assert stack.errors(weight_vector(w)[None], scale)[0] == want

@@ -19,6 +19,9 @@ COMPONENTS = ("am", "graph", "neural", "ngram", "n_words", "n_oov")
 # MBR compares hypotheses pairwise (quadratic), so it considers the first ones of each list
 # in the decoder's order; the rest are ranked after them by total.
 MBR_MAX_HYPS = 100
+# expected errors are rounded to this many decimals, so that risks equal up to summation
+# order tie (then the higher total wins) the same way here and in tune's vectorised path
+MBR_DECIMALS = 9
 
 
 @dataclass
@@ -73,7 +76,7 @@ def expected_errors(tot: np.ndarray, distances: np.ndarray, scale: float) -> np.
     over the candidates."""
     t = scale * tot[: len(distances)]
     p = np.exp(t - t.max())
-    return distances @ (p / p.sum())
+    return np.round(distances @ (p / p.sum()), MBR_DECIMALS)
 
 
 def ranking(u: Utterance, c: Components, w: Weights) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

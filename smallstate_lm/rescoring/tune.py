@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ConfigError, SmallstateError
 from ..scoring import Weights
 from .nbest import Utterance
-from .rescore import COMPONENTS, Components, linear_lm, mbr_distances, weight_vector
+from .rescore import COMPONENTS, MBR_DECIMALS, Components, linear_lm, mbr_distances, weight_vector
 from .wer import align_counts
 
 DEFAULT_GRID = {
@@ -88,7 +88,7 @@ class _Stack:
                 tc = np.where(self.cand[None], mbr_scale * t[:, :, :C], -np.inf)  # (S, U, C)
                 p = np.exp(tc - tc.max(axis=2, keepdims=True))
                 p /= p.sum(axis=2, keepdims=True)
-                risk = np.einsum("suj,uij->sui", p, self.dist)  # (S, U, C)
+                risk = np.round(np.einsum("suj,uij->sui", p, self.dist), MBR_DECIMALS)  # (S, U, C)
                 risk = np.where(self.cand[None], risk, np.inf)
                 # ties go to the higher total, as in `ranking`
                 best = np.lexsort((-tc, risk), axis=2)[..., 0]
