@@ -18,6 +18,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_nbest.py
 	test -f runs/demo/lm/model.pt || $(BIN)/smallstate-lm demo
 	$(BIN)/python benchmarks/bench_lattice.py
+	$(BIN)/python benchmarks/bench_precision.py
 
 clean:
 	rm -rf .build runs/demo
