@@ -45,6 +45,7 @@ SYSTEMS = {
 }
 LINEAR = {"neural + n-gram, linear", "neural + n-gram, linear, MBR"}
 MBR = {"neural + n-gram, linear, MBR"}
+ORDERS = "exact,4,3,2"
 
 
 def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: float) -> dict:
@@ -108,7 +109,7 @@ def main() -> None:
     ap.add_argument("--am-scale", type=float, default=1 / 9.5, help="the decoder's acoustic scale")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--lattices", action="store_true", help="also rescore the dev lattices (slow on CPU)")
-    ap.add_argument("--orders", default="exact,4,3,2", help="lattice history orders to compare")
+    ap.add_argument("--orders", default=ORDERS, help="lattice history orders to compare")
     args = ap.parse_args()
     lm = load_model(args.lm)
     neural = NeuralScorer(lm.model, lm.vocab)
@@ -171,7 +172,8 @@ def main() -> None:
         lat_body = "\n".join([
             "## Lattice rescoring on the dev sets",
             "",
-            f"Command: `python scripts/dev_experiment.py --lm {args.lm} --ngram {args.ngram} --lattices` — the "
+            f"Command: `python scripts/dev_experiment.py --lm {args.lm} --ngram {args.ngram} --lattices"
+            + ("" if args.orders == ORDERS else f" --orders {args.orders}") + "` — the "
             "neural + n-gram weights of the n-best table (tuned on the other half's n-best lists) applied to "
             "each half's lattices (`fst/*.lat.fst`), histories merged on the last n-1 words or kept exact "
             "(beam 12, at most 64 expanded states per lattice state). Seconds and LM calls are totals over "
