@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..state import LMState, append_right_aligned, cat_right_aligned, drop_empty_columns, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, SelfAttention, _init_weights, residual_add
 
 # Calls at least this long run the convolution as F.conv1d, which is the faster kernel
@@ -246,8 +246,7 @@ class ActiveMemoryLM(PendingTokenLM):
         if cfg.arch != "active_memory":
             raise ConfigError(f"ActiveMemoryLM builds arch 'active_memory', got {cfg.arch!r}")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-        self.embed_proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+        self.embed, self.embed_proj = input_embedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(ActiveMemoryLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
@@ -322,9 +321,7 @@ class ActiveMemoryLM(PendingTokenLM):
         mask, causal = self._attention_mask(state, n_run, dev) if self.cfg.mix_attention else (None, False)
         S = state.length
 
-        x = self.embed(run)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
+        x = embed_tokens(self, run)
         x = self.drop(x)  # (B, n_run, d)
         windows, gated, new_kv = [], [], []
         for i, layer in enumerate(self.layers):

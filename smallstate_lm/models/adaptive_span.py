@@ -41,7 +41,7 @@ from ..state import (
 )
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 # ---- the span mask ---------------------------------------------------------------------
@@ -228,8 +228,7 @@ class CachedAttentionLM(PendingTokenLM):
         # False keeps the whole history in the state (results are identical, since
         # every weight beyond the cap is exactly zero; used to check that claim)
         self.trim_cache = True
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-        self.embed_proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+        self.embed, self.embed_proj = input_embedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(make_layer(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
@@ -300,9 +299,7 @@ class CachedAttentionLM(PendingTokenLM):
         S = state.length
         geo = Geometry.build(run.shape[1], S, state.mask, self._max_span, dev)
 
-        x = self.embed(run)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
+        x = embed_tokens(self, run)
         x = self.drop(x)  # (B, n, d)
         keys, values = [], []
         for i, layer in enumerate(self.layers):

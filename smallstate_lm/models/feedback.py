@@ -52,7 +52,7 @@ from ..state import (
 )
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
@@ -328,8 +328,7 @@ class FeedbackLM(PendingTokenLM):
                               "(feedback_shared_kv=True already shares one K/V projection across layers)")
         self.cfg = cfg
         self.groups = 1 if cfg.feedback_shared_kv else cfg.n_layers  # K/V projections of the memory
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-        self.embed_proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+        self.embed, self.embed_proj = input_embedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(FeedbackLayer(cfg) for _ in range(cfg.n_layers))
         # logits of the layer weights w (embedding output first); zeros = a plain average
@@ -385,9 +384,7 @@ class FeedbackLM(PendingTokenLM):
         run = inputs if include_last else inputs[:, :T]
         n_run = run.shape[1]
 
-        x0 = self.embed(run)
-        if self.embed_proj is not None:
-            x0 = self.embed_proj(x0)
+        x0 = embed_tokens(self, run)
         x0 = self.drop(x0)  # (B, n_run, d)
 
         S, N = state.length, state.length + T  # history columns; all columns after this call

@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from ..state import LMState, check_tokens, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import _init_weights
 
 
@@ -44,8 +44,7 @@ class LSTMLM(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-        self.embed_proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+        self.embed, self.embed_proj = input_embedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.lstm = nn.LSTM(cfg.d_model, cfg.d_model, num_layers=cfg.n_layers, bias=cfg.bias, batch_first=True,
                             dropout=cfg.dropout if cfg.n_layers > 1 else 0.0)
@@ -137,9 +136,7 @@ class LSTMLM(nn.Module):
     # ---- internals -----------------------------------------------------------------
     def _inputs(self, tokens: Tensor) -> Tensor:
         """(B, T) ids -> (B, T, d_model) LSTM inputs."""
-        x = self.embed(tokens)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
+        x = embed_tokens(self, tokens)
         return self.drop(x)
 
     def _run(self, tokens: Tensor, state: LSTMState, lengths: Tensor | None) -> tuple[Tensor, LSTMState]:

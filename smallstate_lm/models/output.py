@@ -16,6 +16,20 @@ from .config import ModelConfig
 LOGIT_BUDGET = 1 << 22
 
 
+def input_embedding(cfg: ModelConfig) -> tuple[nn.Embedding, nn.Linear | None]:
+    """The token embedding (embed_dim wide, tied to the output layer when configured) and
+    its projection to d_model, None when the two widths agree."""
+    embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
+    proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+    return embed, proj
+
+
+def embed_tokens(model: nn.Module, tokens: Tensor) -> Tensor:
+    """(B, T) ids -> (B, T, d_model) through `model.embed` and `model.embed_proj`, before dropout."""
+    x = model.embed(tokens)
+    return x if model.embed_proj is None else model.embed_proj(x)
+
+
 class OutputLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, embedding: nn.Embedding):
         super().__init__()

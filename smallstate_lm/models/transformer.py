@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..state import LMState, check_tokens, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer
+from .output import OutputLayer, embed_tokens, input_embedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,8 +265,7 @@ class TransformerLM(PendingTokenLM):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-        self.embed_proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+        self.embed, self.embed_proj = input_embedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
@@ -322,9 +321,7 @@ class TransformerLM(PendingTokenLM):
             if not bool(cur.any()):
                 break
             cur = up.gather(1, cur)
-        x = self.embed(inputs)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
+        x = embed_tokens(self, inputs)
         x = self.drop(x)  # (B, N+1, d)
         attn_mask = mask[:, None]  # (B, 1, N+1, N+1)
         H, Dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
@@ -371,9 +368,7 @@ class TransformerLM(PendingTokenLM):
                 q_pos = torch.arange(n_run, device=tokens.device)[:, None] + S
                 mask = torch.arange(S + n_run, device=tokens.device)[None, :] <= q_pos  # (n_run, S+n_run)
 
-        x = self.embed(run)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
+        x = embed_tokens(self, run)
         x = self.drop(x)  # (B, n_run, d)
         keys, values = [], []
         for i, layer in enumerate(self.layers):

@@ -40,7 +40,7 @@ from ..state import (
 )
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
@@ -183,8 +183,7 @@ class TransformerXLLM(PendingTokenLM):
         if cfg.d_model % 2:
             raise ConfigError(f"transformer_xl needs an even d_model for sinusoidal positions, got {cfg.d_model}")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-        self.embed_proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+        self.embed, self.embed_proj = input_embedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
@@ -240,9 +239,7 @@ class TransformerXLLM(PendingTokenLM):
         distances = torch.arange(S + n_run - 1, -1, -1, device=dev)  # key order: oldest first
         pos = sinusoid(distances, self.cfg.d_model).to(self.u.dtype)  # (S+n_run, d)
 
-        x = self.embed(run)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
+        x = embed_tokens(self, run)
         x = self.drop(x)  # (B, n_run, d)
         layer_inputs = []
         for i, layer in enumerate(self.layers):
