@@ -24,7 +24,7 @@ from smallstate_lm.rescoring.expand import ExpandConfig, LatticeRescorer  # noqa
 from smallstate_lm.rescoring.lattice import SymbolTable, read_fst  # noqa: E402
 from smallstate_lm.rescoring.nbest import read_nbest_tsv, read_text  # noqa: E402
 from smallstate_lm.rescoring.rescore import compute_components, ranking  # noqa: E402
-from smallstate_lm.rescoring.tune import DEFAULT_GRID, hypothesis_errors, tune  # noqa: E402
+from smallstate_lm.rescoring.tune import DEFAULT_GRID, hypothesis_errors, tune, tune_lattices  # noqa: E402
 from smallstate_lm.rescoring.wer import align_counts  # noqa: E402
 from smallstate_lm.scoring import NeuralScorer, Weights  # noqa: E402
 
@@ -73,31 +73,47 @@ def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: f
     return res
 
 
-def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab, ngram: NgramLM, orders,
-                 system: str = "neural + n-gram") -> list[dict]:
-    """Lattice rescoring of each half with the weights tuned (on n-best lists) on the other half."""
+LATTICE_SYSTEMS = ("n-gram", "neural + n-gram", "neural + n-gram, linear")
+
+
+def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab, ngram: NgramLM,
+                 orders) -> list[dict]:
+    """Lattice rescoring, 2-fold like the n-best table, with weights tuned on lattices: for
+    each half, the lattices of both halves are expanded with the LMs of the system (starting
+    from that half's n-best weights, which only steer pruning and merging), the weights are
+    tuned on that half's expanded lattices (`tune_lattices`, the LMs' scores in the expansion)
+    and the other half is decoded with them."""
     refs = read_text(voice_dir / "ref.txt")
     rows = []
     for order in orders:
-        errors, ref_words, states, calls, seconds, peak = 0, 0, 0, 0, 0.0, 0
-        for k in range(2):
-            w = res[system + " weights"][k]
-            rescorer = LatticeRescorer(w, model, vocab, ngram, ExpandConfig(max_ngram_order=order))
-            utts = [res["utts"][i].utt for i in res["folds"][1 - k]]
-            t0 = time.perf_counter()
-            calls0 = rescorer.lm_calls
-            lats = [read_fst(voice_dir / "fst" / f"{u}.lat.fst", symbols) for u in utts]
-            for j, exp in rescorer.expand_many(lats):
-                best = exp.nbest(w, 1)[0]["words"]
-                errors += align_counts(refs[utts[j]], best).errors
-                ref_words += len(refs[utts[j]])
-                states += exp.stats.expanded_states
-                peak = max(peak, exp.stats.peak_state_bytes)
-            calls += rescorer.lm_calls - calls0
-            seconds += time.perf_counter() - t0
-        rows.append({"order": "exact" if order is None else order, "wer": 100 * errors / ref_words,
-                     "states": states, "calls": calls, "seconds": seconds, "peak_mb": peak / 2**20})
-        print(rows[-1], flush=True)
+        for system in LATTICE_SYSTEMS:
+            neural = system != "n-gram"
+            errors, ref_words, states, calls, seconds, peak, tuned = 0, 0, 0, 0, 0.0, 0, []
+            for k in range(2):
+                w0 = res[system + " weights"][k]
+                rescorer = LatticeRescorer(w0, model if neural else None, vocab if neural else None, ngram,
+                                           ExpandConfig(max_ngram_order=order))
+                names = [u.utt for u in res["utts"]]
+                t0 = time.perf_counter()
+                calls0 = rescorer.lm_calls
+                lats = [read_fst(voice_dir / "fst" / f"{u}.lat.fst", symbols) for u in names]
+                expanded = dict(rescorer.expand_many(lats))
+                seconds += time.perf_counter() - t0
+                calls += rescorer.lm_calls - calls0
+                tune_half = [expanded[i] for i in res["folds"][k]]
+                r = tune_lattices(tune_half, refs, w0, SYSTEMS[system])
+                tuned.append(r.weights)
+                for i in res["folds"][1 - k]:
+                    exp = expanded[i]
+                    errors += align_counts(refs[names[i]], exp.best_words(r.weights)).errors
+                    ref_words += len(refs[names[i]])
+                    states += exp.stats.expanded_states
+                    peak = max(peak, exp.stats.peak_state_bytes)
+            rows.append({"order": "exact" if order is None else order, "system": system,
+                         "wer": 100 * errors / ref_words, "nbest_wer": 100 * res[system] / res["ref_words"],
+                         "states": states, "calls": calls, "seconds": seconds, "peak_mb": peak / 2**20,
+                         "weights": tuned})
+            print({k: v for k, v in rows[-1].items() if k != "weights"}, flush=True)
     return rows
 
 
@@ -114,16 +130,20 @@ def main() -> None:
     lm = load_model(args.lm)
     neural = NeuralScorer(lm.model, lm.vocab)
     ngram = NgramLM(args.ngram)
-    rows, notes, lat_rows = [], [], []
+    rows, notes, lat_rows, lat_notes = [], [], [], []
     orders = [None if o == "exact" else int(o) for o in args.orders.split(",")]
     symbols = SymbolTable.read(Path(args.data) / "words.txt") if args.lattices else None
     for voice in ("festival_slt", "festival_kal"):
         r = run_voice(Path(args.data) / voice, neural, ngram, args.am_scale)
         if args.lattices:
             for row in run_lattices(Path(args.data) / voice, r, symbols, lm.model, lm.vocab, ngram, orders):
-                lat_rows.append(f"| {voice} | {row['order']} | {row['wer']:.2f} | "
-                                f"{100 * r['neural + n-gram'] / r['ref_words']:.2f} | {row['states']:,} | "
+                lat_rows.append(f"| {voice} | {row['system']} | {row['order']} | {row['wer']:.2f} | "
+                                f"{row['nbest_wer']:.2f} | {row['states']:,} | "
                                 f"{row['calls']:,} | {row['seconds']:.0f} | {row['peak_mb']:.1f} |")
+                fields = ("graph_scale", "lm_weight", "lam", "word_penalty") if row["system"] in LINEAR else (
+                    "graph_scale", "lm_weight", "ngram_weight", "word_penalty")
+                ws = "; ".join(", ".join(f"{f}={getattr(w, f):g}" for f in fields) for w in row["weights"])
+                lat_notes.append(f"- {voice}, {row['system']}, histories {row['order']}: fold weights {ws}")
         n = r["ref_words"]
 
         def pct(k, r=r, n=n):
@@ -174,16 +194,21 @@ def main() -> None:
             "",
             f"Command: `python scripts/dev_experiment.py --lm {args.lm} --ngram {args.ngram} --lattices"
             + ("" if args.orders == ORDERS else f" --orders {args.orders}") + "` — the "
-            "neural + n-gram weights of the n-best table (tuned on the other half's n-best lists) applied to "
-            "each half's lattices (`fst/*.lat.fst`), histories merged on the last n-1 words or kept exact "
-            "(beam 12, at most 64 expanded states per lattice state). Seconds and LM calls are totals over "
-            "the 120 lattices of a voice on this 2-core CPU; peak LM state memory is the most held at once, "
+            "lattices (`fst/*.lat.fst`) expanded with each system's LMs, histories merged on the last n-1 words "
+            "or kept exact (beam 12, at most 64 expanded states per lattice state); 2-fold as above, with the "
+            "weights (graph_scale, the LM weights, word_penalty) tuned on the other half's *expanded lattices* "
+            "(`tune_lattices`: what `smallstate-lm tune lattices... --lm --ngram` does), each fold's expansion "
+            "started from that fold's n-best weights. The n-gram system is tuned and expanded the same way "
+            "without the neural LM. Seconds and LM calls are totals over both folds' expansions (each expands "
+            "all 120 lattices of a voice) on this 2-core CPU; peak LM state memory is the most held at once, "
             "with up to 16 lattices expanded together.",
             "",
-            "| voice | histories | lattice WER % | 50-best WER % (same weights) | expanded states | LM calls "
+            "| voice | system | histories | lattice WER % | 50-best WER % (2-fold) | expanded states | LM calls "
             "| seconds | peak LM state MiB |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
             *lat_rows,
+            "",
+            *lat_notes,
         ])
         print(lat_body)
         if not args.no_write:

@@ -61,6 +61,33 @@ def read_checkpoint(path: str | os.PathLike, default_file: str = MODEL_FILE) -> 
     return path, obj
 
 
+def export_model(src: str | os.PathLike, out_dir: str | os.PathLike, half: bool = True, **extra) -> Path:
+    """Write a release copy of a trained model: `out_dir/model.pt` with only config,
+    vocabulary and weights (fp16 when `half`; loading casts them back to the model's
+    float32), and `out_dir/vocab.txt`. Tied weights stay one tensor in the file.
+    Returns the model file."""
+    path, obj = read_checkpoint(src)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    copies: dict[int, torch.Tensor] = {}
+
+    def small(t: torch.Tensor) -> torch.Tensor:
+        if not (half and t.is_floating_point()):
+            return t
+        key = t.untyped_storage().data_ptr() + t.storage_offset()
+        if key not in copies:
+            copies[key] = t.half()
+        return copies[key]
+
+    weights = {k: small(v) for k, v in obj["model"].items()}
+    keep = {k: obj[k] for k in ("step", "valid_ppl") if k in obj}
+    release = {"format": FORMAT, "config": obj["config"], "vocab": obj["vocab"], "model": weights,
+               **keep, **extra}
+    atomic_torch_save(release, out / MODEL_FILE)
+    Vocabulary.from_dict(obj["vocab"]).save(out / "vocab.txt")
+    return out / MODEL_FILE
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module

@@ -56,14 +56,22 @@ def train(
     lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 1e-3 adamw, 1.0 sgd]."),
     warmup_steps: int = typer.Option(200),
     max_steps: Optional[int] = typer.Option(None, help="Total steps (the cosine schedule spans them)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Stop after this many training tokens (words + </s>); "
+                                             "the cosine schedule spans them."),
     max_epochs: int = typer.Option(20),
     max_minutes: Optional[float] = typer.Option(None, help="Stop after this much training time."),
     clock: str = typer.Option("wall", help="What --max-minutes measures: wall clock, or this process's cpu time."),
     stop_after: Optional[int] = typer.Option(None, help="Stop at this step, schedule unchanged (resume later)."),
     batch_tokens: int = typer.Option(4096, help="Padded tokens per batch."),
+    batch_sentences: Optional[int] = typer.Option(None, help="Random batches of this many sentences instead of "
+                                                  "length buckets of --batch-tokens."),
     max_len: int = typer.Option(128, help="Longer sentences are cut into pieces."),
     clip: float = typer.Option(1.0, help="Gradient-norm clipping; 0 disables."),
     valid_every: int = typer.Option(500),
+    valid_at_tokens: List[int] = typer.Option([], help="Also validate when training reaches this many "
+                                              "tokens; repeatable."),
+    eval_text: Optional[Path] = typer.Option(None, help="Also score this text at every validation (logged as "
+                                             "eval_ppl in train_log.jsonl; never used to select or stop)."),
     patience: int = typer.Option(5, help="Validations without improvement before stopping; 0 = never."),
     seed: int = typer.Option(1),
     min_count: int = typer.Option(1),
@@ -88,9 +96,11 @@ def train(
 
     tc = TrainConfig(
         train=str(train), valid=str(valid), out=str(out), preset=preset, overrides=parse_overrides(set_),
-        optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, max_epochs=max_epochs,
-        max_minutes=max_minutes, stop_after=stop_after, batch_tokens=batch_tokens, max_len=max_len,
-        clip=clip, valid_every=valid_every, patience=patience, seed=seed, min_count=min_count,
+        optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, max_tokens=max_tokens,
+        max_epochs=max_epochs, max_minutes=max_minutes, stop_after=stop_after, batch_tokens=batch_tokens,
+        batch_sentences=batch_sentences,
+        max_len=max_len, clip=clip, valid_every=valid_every, valid_at_tokens=list(valid_at_tokens),
+        eval_text=str(eval_text) if eval_text else None, patience=patience, seed=seed, min_count=min_count,
         max_vocab=max_vocab, lowercase=lowercase, device=device, resume=resume, progress=not quiet,
         init_from=str(init_from) if init_from else None, vocab_from=str(vocab_from) if vocab_from else None,
         stream=stream, clock=clock, precision=precision,
@@ -110,6 +120,8 @@ def eval_(
     model: Path = typer.Option(..., "--model", help="Run directory or checkpoint file."),
     text: Path = typer.Option(..., "--text", help="Text to score, one sentence per line."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    ngram: Optional[Path] = typer.Option(None, "--ngram", help="Also a KenLM n-gram: its perplexity on the same "
+                                         "tokens and the linear interpolation of both with the best weight."),
     device: str = typer.Option("cpu"),
     batch_tokens: int = typer.Option(8192),
     threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
@@ -119,7 +131,7 @@ def eval_(
     from .evaluate import evaluate_file
     from .train import pick_device
 
-    r = evaluate_file(model, text, str(pick_device(device)), batch_tokens)
+    r = evaluate_file(model, text, str(pick_device(device)), batch_tokens, ngram)
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
@@ -135,60 +147,80 @@ def eval_(
         typer.echo(f"state/row        {r['state_numel_fixed']:,} numbers that do not grow with the history")
     for key, value in r["model_report"].items():
         typer.echo(f"{key:<16} {value}")
+    mix = r["interpolation"]
+    if mix:
+        typer.echo(f"n-gram           {mix['ngram']}: perplexity {mix['ngram_perplexity']:.2f} on the same tokens")
+        typer.echo(f"interpolated     perplexity {mix['perplexity']:.2f} with lam {mix['lambda']:.2f} "
+                   f"(lam * p_neural + (1 - lam) * p_ngram per token; rescore --set interpolation=linear "
+                   f"--set lam={mix['lambda']:.2f})")
+
+
+@app.command()
+def export(
+    model: Path = typer.Option(..., "--model", help="Run directory or checkpoint file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the release copy (model.pt, vocab.txt)."),
+    fp32: bool = typer.Option(False, help="Keep float32 weights [default: fp16, half the size]."),
+):
+    """A small release copy of a trained LM: weights (fp16), config and vocabulary only,
+    loadable wherever a run directory is (eval, rescore, serve)."""
+    from .checkpoint import export_model
+
+    path = export_model(model, out, half=not fp32)
+    typer.echo(f"{path}: {path.stat().st_size / 2**20:.1f} MiB")
 
 
 REPO_LATTICES = Path(__file__).resolve().parent.parent / "lattices"
 
 
+REPO_MODEL = Path(__file__).resolve().parent.parent / "models" / "bible-small"
+
+
 @app.command()
 def demo(
-    train: Path = typer.Option(REPO_DATA / "train.txt", "--train"),
-    valid: Path = typer.Option(REPO_DATA / "valid.txt", "--valid"),
-    lattices: Path = typer.Option(REPO_LATTICES, "--lattices", help="Directory of *.lat.fst, words.txt, ref.txt."),
+    model: Path = typer.Option(REPO_MODEL, "--model", help="The neural LM (the shipped model by default)."),
+    train: Path = typer.Option(REPO_DATA / "train.txt", "--train", help="Text for the demo's 4-gram."),
+    lattices: Path = typer.Option(REPO_LATTICES, "--lattices",
+                                  help="Directory of *.lat.fst, words.txt, ref.txt and the tuned weights."),
     out: Path = typer.Option(Path("runs/demo"), "--out", "-o"),
-    minutes: float = typer.Option(3.0, help="Training time budget for the demo LM."),
-    retrain: bool = typer.Option(False, help="Ignore the cached LMs in --out."),
 ):
-    """Train a tiny LM and a 4-gram on the bundled text (cached in --out), then rescore the
-    bundled lattices and print WER before and after."""
-    import shutil
-
-    from .checkpoint import MODEL_FILE
-    from .evaluate import evaluate_file
+    """Rescore the bundled lattices with a KenLM 4-gram alone and with the shipped neural
+    LM + the 4-gram, and print the WER of the first pass and of both."""
+    from .checkpoint import MODEL_FILE, load_model
+    from .models import count_parameters
     from .ngram import build_ngram
-    from .train import TrainConfig
-    from .train import train as run_train
 
-    lm_dir, ngram_bin = out / "lm", out / "lm4.bin"
-    if retrain and out.exists():
-        shutil.rmtree(out)
-    if not (lm_dir / MODEL_FILE).exists():
-        if lm_dir.exists():
-            shutil.rmtree(lm_dir)
-        tc = TrainConfig(train=str(train), valid=str(valid), out=str(lm_dir), preset="tiny", max_minutes=minutes,
-                         batch_tokens=4096, valid_every=200, patience=0, warmup_steps=100, lr=3e-3)
-        run_train(tc)
-    else:
-        typer.echo(f"demo: using the cached LM in {lm_dir} (--retrain to train again)")
+    model_file = model / MODEL_FILE if model.is_dir() else model
+    if not model_file.exists():
+        raise ConfigError(f"{model}: no trained model there (the shipped one is models/bible-small/)")
+    ngram_bin = out / "lm4.bin"
     if not ngram_bin.exists():
+        typer.echo(f"demo: building a 4-gram on {train} (lmplz, cached in {ngram_bin})")
         build_ngram(train, 4, out / "lm4.arpa", ngram_bin)
-    r = evaluate_file(lm_dir, valid)
-    typer.echo(f"demo: tiny LM, {r['parameters']:,} parameters, validation perplexity {r['perplexity']:.2f}, "
-               f"state {r['state_numel_per_position']:,} numbers/position")
     fsts = sorted(lattices.glob("*.fst"))
     if not fsts:
         raise ConfigError(f"{lattices}: no *.fst lattices to rescore")
-    weights_file = lattices / "weights.json"
-    argv = ["rescore", *map(str, fsts), "--words", str(lattices / "words.txt"), "--lm", str(lm_dir),
-            "--ngram", str(ngram_bin), "--refs", str(lattices / "ref.txt"), "-o", str(out / "rescored")]
-    if weights_file.exists():
-        argv += ["--weights", str(weights_file)]
-    typer.echo("demo: smallstate-lm " + " ".join(argv))
+    refs = lattices / "ref.txt"
+    lm = load_model(model)
+    typer.echo(f"demo: neural LM {model} ({lm.config.name}, {count_parameters(lm.model):,} parameters, "
+               f"{lm.model.state_numel_per_position():,} state numbers/position)")
+    del lm
     rescore_cmd = typer.main.get_command(app)
-    rescore_cmd.main(args=argv, standalone_mode=False)
-    wer_lines = (out / "rescored" / "wer.txt").read_text().splitlines()
-    after, before = wer_lines[0].split()[1], wer_lines[1].split()[-1]
-    typer.echo(f"demo: WER before rescoring (first pass) {before}%, after rescoring {after}%")
+    results = {}
+    for name, lm_args, weights in (("n-gram alone", [], "weights-ngram.json"),
+                                   ("neural + n-gram", ["--lm", str(model)], "weights.json")):
+        dest = out / ("rescored-ngram" if not lm_args else "rescored")
+        argv = ["rescore", *map(str, fsts), "--words", str(lattices / "words.txt"), *lm_args,
+                "--ngram", str(ngram_bin), "--refs", str(refs), "-o", str(dest), "--quiet"]
+        if (lattices / weights).exists():
+            argv += ["--weights", str(lattices / weights)]
+        typer.echo("demo: smallstate-lm " + " ".join(argv))
+        rescore_cmd.main(args=argv, standalone_mode=False)
+        lines = (dest / "wer.txt").read_text().splitlines()
+        results[name] = lines[0].split()[1]
+        results["first pass"] = lines[1].split()[-1]
+    typer.echo(f"demo: {len(fsts)} lattices, WER:")
+    for name in ("first pass", "n-gram alone", "neural + n-gram"):
+        typer.echo(f"  {name:<16} {results[name]}%")
     typer.echo(f"demo: outputs in {out / 'rescored'} (best.txt, nbest.jsonl, wer.txt, lattices/)")
 
 
@@ -403,7 +435,7 @@ def tune(
 
     from .rescoring.nbest import read_nbest, read_text
     from .rescoring.rescore import compute_components
-    from .rescoring.tune import DEFAULT_GRID, plot_surface, surface_text
+    from .rescoring.tune import DEFAULT_GRID, LAM_GRID, plot_surface, surface_text
     from .rescoring.tune import tune as run_tune
 
     base = dataclasses.replace(_weights(weights, set_), interpolation=interpolation)
@@ -414,7 +446,8 @@ def tune(
     if ngram is None:
         keys = [k for k in keys if k != "ngram_weight"]
         base = dataclasses.replace(base, ngram_weight=0.0)
-    grid = {k: DEFAULT_GRID.get(k, [round(x * 0.1, 3) for x in range(0, 21)]) for k in keys}
+    grid = {k: DEFAULT_GRID.get(k, LAM_GRID if k == "lam" else [round(x * 0.1, 3) for x in range(0, 21)])
+            for k in keys}
     inputs = list(inputs or [])
     lattices = [p for p in inputs if _is_lattice(p)]
     nbest = list(nbest) + [p for p in inputs if not _is_lattice(p)]

@@ -120,6 +120,35 @@ class BucketBatcher:
             step += 1
 
 
+@dataclass
+class ShuffledBatcher:
+    """Batches of `sentences` sentences drawn without replacement from a fresh random
+    order each epoch, whatever their lengths (padding to the longest in the batch). Less
+    efficient than length buckets, but a batch is a random sample of the text rather than
+    of one length class. Same interface as BucketBatcher."""
+
+    seqs: list[list[int]]
+    sentences: int
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.sentences < 1:
+            raise DataError(f"batch_sentences must be >= 1, got {self.sentences}")
+        self.n_batches = max(1, len(self.seqs) // self.sentences)
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def batch_ids(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.n_batches)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
+        order = torch.randperm(len(self.seqs), generator=gen)
+        return order[k * self.sentences : (k + 1) * self.sentences].tolist()
+
+    def batch(self, step: int) -> tuple[int, list[list[int]]]:
+        return step // self.n_batches, [self.seqs[i] for i in self.batch_ids(step)]
+
+
 class StreamBatcher:
     """Running text for stream training: every sequence concatenated, cut into
     `n_streams` contiguous streams, each read `seg_len` tokens at a time, so step k's
@@ -148,12 +177,13 @@ class StreamBatcher:
         return epoch, k, self.data[:, k * self.seg_len : (k + 1) * self.seg_len]
 
 
-def eval_batches(seqs: Sequence[Sequence[int]], batch_tokens: int) -> Iterator[list[Sequence[int]]]:
-    """Length-sorted batches for scoring (order does not matter for sums)."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+def eval_batches(seqs: Sequence, batch_tokens: int, key=len) -> Iterator[list]:
+    """Length-sorted batches for scoring (order does not matter for sums); `key` gives
+    an item's length (e.g. items that are indices into the sequences)."""
+    order = sorted(range(len(seqs)), key=lambda i: key(seqs[i]))
     cur: list[int] = []
     for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i]) > batch_tokens:
+        if cur and (len(cur) + 1) * key(seqs[i]) > batch_tokens:
             yield [seqs[j] for j in cur]
             cur = []
         cur.append(i)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -20,35 +22,76 @@ CONVENTION = (
 )
 
 
-@torch.no_grad()
 def score_corpus(model: nn.Module, seqs: Sequence[Sequence[int]], batch_tokens: int = 8192,
                  device: torch.device | str | None = None) -> tuple[float, int]:
     """Sum of natural-log probabilities and token count over `seqs` (each `w.. </s>`)."""
+    per_seq = token_logprobs(model, seqs, batch_tokens, device)
+    return float(sum(float(a.sum()) for a in per_seq)), sum(a.size for a in per_seq)
+
+
+@torch.no_grad()
+def token_logprobs(model: nn.Module, seqs: Sequence[Sequence[int]], batch_tokens: int = 8192,
+                   device: torch.device | str | None = None) -> list[np.ndarray]:
+    """Natural-log p of every token of every sequence (each `w.. </s>`, scored from
+    `<s>`), in the order of `seqs`: one float64 array per sequence."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
-    total, n = 0.0, 0
+    out: list[np.ndarray] = [np.zeros(0)] * len(seqs)
     try:
-        for batch in eval_batches(seqs, batch_tokens):
+        for idx in eval_batches(range(len(seqs)), batch_tokens, key=lambda i: len(seqs[i])):
+            batch = [seqs[i] for i in idx]
             tokens, lengths = pad_batch(batch, device)
             logp, _ = model.score(tokens, model.initial_state(len(batch), device), lengths)
-            total += float(logp.double().sum())
-            n += int(lengths.sum())
+            logp = logp.double().cpu().numpy()  # (B, T)
+            for row, i in enumerate(idx):
+                out[i] = logp[row, : len(seqs[i])]
     finally:
         model.train(was_training)
-    return total, n
+    return out
+
+
+# interpolation weights tried by `interpolate`: the neural LM's share, 0 to 1
+LAMBDAS = np.round(np.arange(0.0, 1.0001, 0.01), 2)
+
+
+def interpolate(neural: np.ndarray, ngram: np.ndarray) -> dict:
+    """Linear interpolation per token, log(lam * p_nn + (1 - lam) * p_ng), over the
+    LAMBDAS grid. neural, ngram: (N,) natural-log p of the same tokens. Returns the best
+    lam (the neural LM's weight), its perplexity and the curve."""
+    if neural.shape != ngram.shape:
+        raise ValueError(f"token counts differ: neural {neural.shape}, n-gram {ngram.shape}")
+    lam = LAMBDAS[:, None]  # (K, 1)
+    with np.errstate(divide="ignore"):
+        mixed = np.logaddexp(np.log(lam) + neural[None], np.log1p(-lam) + ngram[None])  # (K, N)
+    ppl = np.exp(-mixed.mean(1))  # (K,)
+    best = int(np.argmin(ppl))
+    return {"lambda": float(LAMBDAS[best]), "perplexity": float(ppl[best]),
+            "curve": {f"{x:.2f}": float(p) for x, p in zip(LAMBDAS[::10], ppl[::10])}}
 
 
 def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device: str = "cpu",
-                  batch_tokens: int = 8192) -> dict:
-    """Everything `smallstate-lm eval` reports, as a JSON-able dict."""
+                  batch_tokens: int = 8192, ngram: str | os.PathLike | None = None) -> dict:
+    """Everything `smallstate-lm eval` reports, as a JSON-able dict. With `ngram` (a
+    KenLM file), also the n-gram's perplexity on the same tokens and the linear
+    interpolation of the two with the best weight."""
     lm = load_model(model_path, device)
     sentences = read_sentences(text)
     stats = EncodeStats()
     seqs = encode_sentences(sentences, lm.vocab, stats)
     t0 = time.perf_counter()
-    logprob, n = score_corpus(lm.model, seqs, batch_tokens, device)
+    per_seq = token_logprobs(lm.model, seqs, batch_tokens, device)
     seconds = time.perf_counter() - t0
+    neural = np.concatenate(per_seq) if per_seq else np.zeros(0)
+    logprob, n = float(neural.sum()), int(neural.size)
+    mix = None
+    if ngram is not None:
+        from .ngram import NgramLM
+
+        ng = NgramLM(ngram)
+        ng_lp = np.concatenate([ng.token_logprobs(s) for s in sentences]) if sentences else np.zeros(0)
+        mix = {"ngram": str(ngram), "ngram_perplexity": math.exp(-ng_lp.mean()) if n else float("nan"),
+               **interpolate(neural, ng_lp)}
     numel = lm.model.state_numel_per_position()
     elem = next(lm.model.parameters()).element_size()
     return {
@@ -73,4 +116,5 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         "device": str(device),
         # model-specific facts, e.g. the learned attention spans per layer
         "model_report": lm.model.report() if hasattr(lm.model, "report") else {},
+        "interpolation": mix,
     }

@@ -26,7 +26,16 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from .checkpoint import LAST_FILE, MODEL_FILE, read_checkpoint, save_checkpoint
-from .data import BucketBatcher, StreamBatcher, encode_sentences, pad_batch, perplexity, read_sentences, split_long
+from .data import (
+    BucketBatcher,
+    ShuffledBatcher,
+    StreamBatcher,
+    encode_sentences,
+    pad_batch,
+    perplexity,
+    read_sentences,
+    split_long,
+)
 from .errors import ConfigError
 from .evaluate import score_corpus
 from .models import ModelConfig, build_model, count_parameters, get_preset
@@ -45,6 +54,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 200
     max_steps: int | None = None
+    # Stop after this many training tokens (words + </s>); the cosine schedule then spans
+    # the token budget, so runs with different batch sizes are compared per token.
+    max_tokens: int | None = None
     max_epochs: int = 20
     max_minutes: float | None = None
     # What max_minutes measures: "wall" clock, or this process's "cpu" time (fairer for
@@ -52,9 +64,16 @@ class TrainConfig:
     clock: Literal["wall", "cpu"] = "wall"
     stop_after: int | None = None  # stop at this step without changing the schedule (as an interruption would)
     batch_tokens: int = 4096
+    # Random batches of this many sentences instead of length buckets of batch_tokens
+    batch_sentences: int | None = None
     max_len: int = 128
     clip: float = 1.0
     valid_every: int = 500
+    # Also validate at the first step that reaches each of these training-token counts
+    valid_at_tokens: list[int] = field(default_factory=list)
+    # A text scored at every validation and logged as eval_ppl, never used to select or
+    # stop (e.g. a dev set, for a convergence curve)
+    eval_text: str | None = None
     patience: int = 5  # validations without improvement before early stopping; 0 = never
     newbob_factor: float = 0.5
     newbob_threshold: float = 0.01  # relative validation improvement below which SGD halves its lr
@@ -162,12 +181,14 @@ class _Schedule:
         self.tc, self.total = tc, total_steps
         self.newbob = 1.0
 
-    def factor(self, step: int, elapsed_min: float) -> float:
+    def factor(self, step: int, elapsed_min: float, tokens: int = 0) -> float:
         tc = self.tc
         if tc.optimizer == "sgd":
             return self.newbob
         warm = min(1.0, (step + 1) / max(1, tc.warmup_steps))
-        if self.total:
+        if tc.max_tokens:
+            progress = tokens / tc.max_tokens
+        elif self.total:
             progress = step / self.total
         elif tc.max_minutes:
             progress = elapsed_min / tc.max_minutes
@@ -199,6 +220,8 @@ def train(tc: TrainConfig, loss_fn: LossFn | None = None) -> dict:
         raise ConfigError(f"optimizer must be 'adamw' or 'sgd', got {tc.optimizer!r}")
     if tc.valid_every < 1:
         raise ConfigError(f"valid_every must be >= 1, got {tc.valid_every}")
+    if tc.max_tokens is not None and tc.max_tokens < 1:
+        raise ConfigError(f"max_tokens must be >= 1, got {tc.max_tokens}")
     out = Path(tc.out)
     dist = Distributed(pick_device(tc.device))
     try:
@@ -240,12 +263,15 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
     train_seqs = split_long(encode_sentences(train_sents, vocab), tc.max_len)
     valid_stats = EncodeStats()
     valid_seqs = encode_sentences(valid_sents, vocab, valid_stats)
-    if max(len(s) for s in train_seqs) > tc.batch_tokens:
+    eval_seqs = (encode_sentences(read_sentences(tc.eval_text, tc.lowercase), vocab)
+                 if tc.eval_text and dist.main else None)
+    if not tc.batch_sentences and max(len(s) for s in train_seqs) > tc.batch_tokens:
         raise ConfigError(f"batch_tokens ({tc.batch_tokens}) is smaller than max_len ({tc.max_len})")
     if tc.stream and loss_fn is not None:
         raise ConfigError("stream mode cannot be combined with a custom loss (distillation)")
     batcher = (StreamBatcher([[BOS_ID, *s] for s in encode_sentences(train_sents, vocab)], tc.batch_tokens,
                              tc.max_len) if tc.stream
+               else ShuffledBatcher(train_seqs, tc.batch_sentences, tc.seed) if tc.batch_sentences
                else BucketBatcher(train_seqs, tc.batch_tokens, tc.seed))
 
     torch.manual_seed(tc.seed)
@@ -279,7 +305,7 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
     total_steps = None if (tc.max_minutes and not tc.max_steps) else max_steps
     sched = _Schedule(tc, total_steps)
 
-    step, best, bad_evals, elapsed_before = 0, float("inf"), 0, 0.0
+    step, best, bad_evals, elapsed_before, tokens_total = 0, float("inf"), 0, 0.0, 0
     if init_obj is not None:
         try:
             model.load_state_dict(init_obj["model"])
@@ -292,6 +318,7 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         prog = resume_obj["progress"]
         step, best, bad_evals = int(prog["step"]), float(prog["best_valid_ppl"]), int(prog["bad_evals"])
         elapsed_before, sched.newbob = float(prog["elapsed_seconds"]), float(prog["newbob"])
+        tokens_total = int(prog.get("tokens", 0))
         torch.set_rng_state(resume_obj["rng"])
         if device.type == "cuda" and "cuda_rng" in resume_obj:
             torch.cuda.set_rng_state(resume_obj["cuda_rng"])
@@ -313,7 +340,7 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         extra = {
             "optimizer": opt.state_dict(),
             "progress": {"step": step, "best_valid_ppl": best, "bad_evals": bad_evals,
-                         "elapsed_seconds": elapsed, "newbob": sched.newbob},
+                         "elapsed_seconds": elapsed, "newbob": sched.newbob, "tokens": tokens_total},
             "train_config": {k: v for k, v in asdict(tc).items() if k != "overrides"},
             "rng": torch.get_rng_state(),
         }
@@ -340,9 +367,9 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
     tokens_seen, step_seconds = 0, 0.0  # this process's training throughput, validation excluded
     carried = None  # stream mode: the state after the previous segment (resume starts afresh)
     model.train()
-    while step < max_steps:
+    while step < max_steps and (tc.max_tokens is None or tokens_total < tc.max_tokens):
         t_step = time.perf_counter()
-        f = sched.factor(step, elapsed / 60)
+        f = sched.factor(step, elapsed / 60, tokens_total)
         for g in opt.param_groups:
             g["lr"] = lr * f
         with autocast:
@@ -381,6 +408,7 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
             after_step()
         step += 1
         tokens_seen += n_tok
+        tokens_total += n_tok
         step_seconds += time.perf_counter() - t_step
         elapsed = elapsed_before + now_s() - t_start
         # the global batch's mean token loss, identical on every rank
@@ -396,12 +424,13 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
                             tok_s=f"{tok_window / (now - t_window):.0f}")
             tok_window, t_window = 0, now
 
-        last_step = step >= max_steps
+        last_step = step >= max_steps or (tc.max_tokens is not None and tokens_total >= tc.max_tokens)
         timed_out = tc.max_minutes is not None and elapsed >= tc.max_minutes * 60
         if dist.enabled and tc.max_minutes is not None:
             timed_out = dist.broadcast(float(timed_out)) > 0  # rank 0's clock decides for all
         interrupted = tc.stop_after is not None and step >= tc.stop_after
-        if step % tc.valid_every == 0 or last_step or timed_out or interrupted:
+        crossed = any(tokens_total - n_tok < t <= tokens_total for t in tc.valid_at_tokens)
+        if step % tc.valid_every == 0 or last_step or timed_out or interrupted or crossed:
             if dist.main:
                 lp, n = score_corpus(model, valid_seqs, device=device)
                 ppl = perplexity(lp, n)
@@ -415,8 +444,12 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
                     save_checkpoint(out / MODEL_FILE, model, vocab, step=step, valid_ppl=ppl)
             else:
                 bad_evals += 1
-            log({"event": "valid", "step": step, "valid_ppl": ppl, "best_valid_ppl": best,
-                 "elapsed_seconds": elapsed})
+            rec = {"event": "valid", "step": step, "tokens": tokens_total, "valid_ppl": ppl,
+                   "best_valid_ppl": best, "elapsed_seconds": elapsed}
+            if eval_seqs is not None:
+                lp, n = score_corpus(model, eval_seqs, device=device)
+                rec["eval_ppl"] = perplexity(lp, n)
+            log(rec)
             if dist.main:
                 bar.write(f"step {step}: valid ppl {ppl:.2f} (best {best:.2f})")
             save_last()
@@ -432,7 +465,10 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
     bar.close()
     if log_f is not None:
         log_f.close()
-    return {"out": str(out), "steps": step, "best_valid_ppl": best, "stop_reason": stop_reason,
+    if stop_reason == "max_steps" and tc.max_tokens is not None and tokens_total >= tc.max_tokens:
+        stop_reason = "max_tokens"
+    return {"out": str(out), "steps": step, "tokens": tokens_total, "best_valid_ppl": best,
+            "stop_reason": stop_reason,
             "elapsed_seconds": elapsed, "parameters": count_parameters(model),
             "state_numel_per_position": model.state_numel_per_position(),
             "train_tokens_per_second": tokens_seen / step_seconds if step_seconds else None,

@@ -28,17 +28,21 @@ def shrunk(name: str, shared_kv: bool, **extra):
                           **caps, **extra})
 
 
-# Transformer presets with and without shared K/V; every other preset as it is.
-VARIANTS = [(name, kv) for name in PRESETS for kv in (False, True) if PRESETS[name].arch == "transformer"]
-VARIANTS += [(name, False) for name in PRESETS if PRESETS[name].arch != "transformer"]
-IDS = [f"{n}{'-kv' if kv else ''}" for n, kv in VARIANTS]
+# Transformer presets with and without shared K/V (rotary positions need separate values),
+# each transformer preset also with the other position scheme; every other preset as it is.
+VARIANTS = [(name, kv, {}) for name in PRESETS for kv in (False, True)
+            if PRESETS[name].arch == "transformer" and not (kv and PRESETS[name].pos == "rotary")]
+VARIANTS += [(name, False, {"pos": "none" if PRESETS[name].pos == "rotary" else "rotary"}) for name in PRESETS
+             if PRESETS[name].arch == "transformer"]
+VARIANTS += [(name, False, {}) for name in PRESETS if PRESETS[name].arch != "transformer"]
+IDS = [f"{n}{'-kv' if kv else ''}{'-pos=' + extra['pos'] if extra else ''}" for n, kv, extra in VARIANTS]
 
 
 @pytest.fixture(params=VARIANTS, ids=IDS)
 def model(request):
     torch.manual_seed(0)
-    name, kv = request.param
-    return build_model(shrunk(name, kv)).eval()
+    name, kv, extra = request.param
+    return build_model(shrunk(name, kv, **extra)).eval()
 
 
 def full_and_tokens(model, B=3, T=11):

@@ -146,3 +146,20 @@ def test_bf16_autocast_on_cpu_trains_fp32_weights_close_to_fp32_training(small_c
     with pytest.raises(ConfigError, match="precision"):
         train(tc(small_corpus, tmp_path / "bad", max_steps=2, precision="fp16"))
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_token_budget_stops_training_and_spans_the_schedule(small_corpus, tmp_path):
+    out = tmp_path / "run"
+    summary = train(tc(small_corpus, out, max_tokens=6000, valid_every=1000, valid_at_tokens=[2500],
+                       eval_text=str(small_corpus[1]), warmup_steps=1))
+    steps = [r for r in read_log(out) if "loss" in r]
+    assert summary["stop_reason"] == "max_tokens" and summary["tokens"] == sum(r["tokens"] for r in steps)
+    assert sum(r["tokens"] for r in steps[:-1]) < 6000 <= summary["tokens"]
+    # the cosine reaches its floor (10% of the peak) at the budget, not at max_epochs
+    assert steps[-1]["lr"] < 0.2 * steps[0]["lr"]
+    valids = [r for r in read_log(out) if r.get("event") == "valid"]
+    # one validation when 2,500 tokens were reached, one at the end; each scores eval_text too
+    assert [r["tokens"] >= 2500 for r in valids] == [True, True] and len(valids) == 2
+    assert valids[0]["tokens"] - 2500 < max(r["tokens"] for r in steps)
+    for r in valids:
+        assert r["eval_ppl"] == pytest.approx(r["valid_ppl"], rel=1e-6)  # eval_text is the valid text here

@@ -27,7 +27,13 @@ class ModelConfig:
     d_ff: int = 4096
     d_embed: int | None = 128  # None: embeddings are d_model wide, no projection
     shared_kv: bool = False  # one projection for keys and values; only keys are stored
-    pos: Literal["none"] = "none"
+    # Multiply the input embedding by sqrt(embed_dim): with the 0.02 init (and tied output
+    # weights) token identities otherwise start ~20x smaller than the first sublayer's
+    # output in the residual stream, which slows early training a lot
+    embed_scale: bool = False
+    # "rotary": rotary position embeddings on queries and keys (transformer only); the
+    # seed design has none and infers order from the causal mask
+    pos: Literal["none", "rotary"] = "none"
     dropout: float = 0.1
     tie_embeddings: bool = True
     softmax: Literal["full", "adaptive"] = "full"
@@ -82,7 +88,14 @@ class ModelConfig:
              f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         need(self.d_embed is None or self.d_embed >= 1, f"d_embed must be >= 1, got {self.d_embed}")
         need(0.0 <= self.dropout < 1.0, f"dropout must lie in [0, 1), got {self.dropout}")
-        need(self.pos == "none", f"pos must be 'none', got {self.pos!r}")
+        need(self.pos in ("none", "rotary"), f"pos must be 'none' or 'rotary', got {self.pos!r}")
+        if self.pos == "rotary":
+            need(self.arch == "transformer", f"pos='rotary' is implemented for arch 'transformer' only, "
+                                             f"got {self.arch!r}")
+            need(not self.shared_kv, "pos='rotary' needs separate values: a shared key/value projection "
+                                     "would rotate the values too; set shared_kv=False")
+            need((self.d_model // self.n_heads) % 2 == 0,
+                 f"pos='rotary' needs an even head width, got {self.d_model // self.n_heads}")
         for name in ("mem_len", "span_max", "n_persistent"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         if self.arch == "transformer_xl":

@@ -5,6 +5,8 @@ all rows at once outside training.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,9 +26,19 @@ def input_embedding(cfg: ModelConfig) -> tuple[nn.Embedding, nn.Linear | None]:
     return embed, proj
 
 
+def init_input_projection(model: nn.Module) -> None:
+    """With `embed_scale`, start the embedding projection norm-preserving (std
+    1/sqrt(embed_dim)) instead of at the 0.02 of every other matrix, which would shrink
+    the scaled embeddings again by 0.02 * sqrt(embed_dim). Call after the model's init."""
+    if model.cfg.embed_scale and model.embed_proj is not None:
+        nn.init.normal_(model.embed_proj.weight, 0.0, model.cfg.embed_dim ** -0.5)
+
+
 def embed_tokens(model: nn.Module, tokens: Tensor) -> Tensor:
     """(B, T) ids -> (B, T, d_model) through `model.embed` and `model.embed_proj`, before dropout."""
     x = model.embed(tokens)
+    if model.cfg.embed_scale:
+        x = x * math.sqrt(model.cfg.embed_dim)
     return x if model.embed_proj is None else model.embed_proj(x)
 
 

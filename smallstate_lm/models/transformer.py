@@ -5,6 +5,13 @@ feed-forward sublayers with their own LayerNorm and residual; no positional
 encoding (the causal mask alone orders the tokens). With `shared_kv` one projection
 gives both keys and values, so the state stores keys only: n_layers × d_model
 numbers per position instead of twice that.
+
+`pos="rotary"` adds rotary position embeddings (RoPE) to queries and keys. Keys are
+cached already rotated, so the state needs no new field: the position of the next
+token of a row is the number of valid positions in its cache. Attention then depends
+only on the distance between query and key, which keeps every cache operation that
+reorders or pads positions (compact, cat, assemble) and tree attention (positions =
+depth in the trie) exact.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch import Tensor, nn
 from ..state import LMState, check_tokens, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, input_embedding
+from .output import OutputLayer, embed_tokens, init_input_projection, input_embedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +107,8 @@ class TransformerState(LMState):
 
     def compact(self) -> "TransformerState":
         """Move each row's valid positions to the front and cut the common padding.
-        Exact for this model: without positional encoding, attention over the cached
-        keys does not depend on their order."""
+        Exact for this model: attention over the cached keys does not depend on their
+        order (rotary positions, if any, are baked into the cached keys)."""
         if self.mask is None:
             return self
         counts = self.mask.sum(1)  # (B,)
@@ -133,13 +140,18 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(
-        self, x: Tensor, past_k: Tensor, past_v: Tensor | None, mask: Tensor | None, causal: bool
+        self, x: Tensor, past_k: Tensor, past_v: Tensor | None, mask: Tensor | None, causal: bool,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """x (B, T, d); past_k/v (B, H, S, Dh). Returns output (B, T, d) and the
+        """x (B, T, d); past_k/v (B, H, S, Dh); rope: optional (cos, sin), each
+        (B, 1, T, Dh), for the new positions. Returns output (B, T, d) and the
         extended keys/values (B, H, S+T, Dh)."""
         B, T, d = x.shape
         q = self.q(x).view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
-        k = _extend(past_k, self.k(x).view(B, T, self.h, self.dh).transpose(1, 2))  # (B, H, S+T, Dh)
+        k_new = self.k(x).view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
+        if rope is not None:
+            q, k_new = apply_rotary(q, *rope), apply_rotary(k_new, *rope)
+        k = _extend(past_k, k_new)  # (B, H, S+T, Dh)
         if self.shared_kv:
             v, new_v = k, None
         else:
@@ -156,6 +168,21 @@ def residual_add(y: Tensor, x: Tensor) -> Tensor:
     agree. Under bf16 autocast y is bf16 while the residual stream x is float32: adding in
     place would demote the stream to bf16 for every later layer."""
     return y.add_(x) if y.dtype == x.dtype else x + y
+
+
+def rotary_tables(positions: Tensor, dh: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """positions (B, T) integer -> (cos, sin), each (B, 1, T, dh) float32, for `apply_rotary`."""
+    inv_freq = base ** (-torch.arange(0, dh, 2, device=positions.device, dtype=torch.float32) / dh)  # (dh/2,)
+    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # (B, 1, T, dh/2)
+    angles = torch.cat([angles, angles], -1)  # (B, 1, T, dh)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the two halves of x (B, H, T, dh) pairwise by the angles of (cos, sin)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)  # (B, H, T, dh)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 def _extend(past: Tensor, new: Tensor) -> Tensor:
@@ -187,8 +214,8 @@ class Layer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.ffs = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.ff_per_layer))
 
-    def forward(self, x, past_k, past_v, mask, causal):
-        a, k, v = self.attn(self.norm(x), past_k, past_v, mask, causal)
+    def forward(self, x, past_k, past_v, mask, causal, rope=None):
+        a, k, v = self.attn(self.norm(x), past_k, past_v, mask, causal, rope)
         x = residual_add(self.drop(a), x)
         for ff in self.ffs:
             x = ff(x)
@@ -271,6 +298,7 @@ class TransformerLM(PendingTokenLM):
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.output = OutputLayer(cfg, self.embed)
         self.apply(_init_weights)
+        init_input_projection(self)
 
     # ---- the state contract ----------------------------------------------------------
     def state_numel_per_position(self) -> int:
@@ -292,7 +320,7 @@ class TransformerLM(PendingTokenLM):
     def score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None) -> Tensor:
         """Score a prefix trie in one pass ("tree attention"): every node attends to
         itself and its ancestors only, which is exact here because the model has no
-        positional encoding.
+        positional encoding, or rotary positions taken from each node's depth.
 
         tokens: (B, N) the nodes of each row's trie, parents before children.
         parents: (B, N) index of each node's parent in the same row, -1 for nodes
@@ -325,9 +353,11 @@ class TransformerLM(PendingTokenLM):
         x = self.drop(x)  # (B, N+1, d)
         attn_mask = mask[:, None]  # (B, 1, N+1, N+1)
         H, Dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
+        # a node's position is its depth: <s> at 0, as in a sequence scored from the start
+        rope = rotary_tables(mask.sum(-1) - 1, Dh) if self.cfg.pos == "rotary" else None
         empty = torch.empty(B, H, 0, Dh, dtype=x.dtype, device=dev)
         for layer in self.layers:
-            x, _, _ = layer(x, empty, None if self.cfg.shared_kv else empty, attn_mask, False)
+            x, _, _ = layer(x, empty, None if self.cfg.shared_kv else empty, attn_mask, False, rope)
         h = self.norm(x)  # (B, N+1, d)
         # Only real nodes go through the output layer: padding would cost a full vocabulary row each.
         b_idx, n_idx = real.nonzero(as_tuple=True)  # (R,), (R,)
@@ -370,10 +400,16 @@ class TransformerLM(PendingTokenLM):
 
         x = embed_tokens(self, run)
         x = self.drop(x)  # (B, n_run, d)
+        rope = None
+        if self.cfg.pos == "rotary":
+            done = (torch.full((B,), S, device=tokens.device) if state.mask is None
+                    else state.mask.sum(1))  # (B,) positions already run per row
+            positions = done[:, None] + torch.arange(n_run, device=tokens.device)[None]  # (B, n_run)
+            rope = rotary_tables(positions, self.cfg.d_model // self.cfg.n_heads)
         keys, values = [], []
         for i, layer in enumerate(self.layers):
             past_v = None if state.values is None else state.values[i]
-            x, k, v = layer(x, state.keys[i], past_v, mask, causal)
+            x, k, v = layer(x, state.keys[i], past_v, mask, causal, rope)
             keys.append(k[:, :, : S + n_cache])
             if v is not None:
                 values.append(v[:, :, : S + n_cache])

@@ -22,6 +22,7 @@ DEFAULT_GRID = {
     "ngram_weight": np.round(np.arange(0.0, 2.01, 0.1), 3).tolist(),
     "word_penalty": np.round(np.arange(-3.0, 3.01, 0.25), 3).tolist(),
 }
+LAM_GRID = np.round(np.arange(0.0, 1.001, 0.1), 3).tolist()
 SEARCHABLE = ("am_scale", "graph_scale", "lm_weight", "ngram_weight", "word_penalty", "oov_penalty", "lam")
 # posterior scales tried by `tune(..., mbr=True)`; 0 keeps the highest total
 MBR_GRID = [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0]
@@ -116,18 +117,7 @@ def tune(utts: Sequence[Utterance], comps: Sequence[Components], refs: dict[str,
     the MBR posterior scale is then chosen from MBR_GRID at those weights, and each
     weight is searched once more over its grid under that scale (MBR often wants a
     different LM weight)."""
-    grid = dict(grid or DEFAULT_GRID)
-    for k, v in grid.items():
-        if k not in SEARCHABLE:
-            raise ConfigError(f"cannot tune {k!r}; choose among {', '.join(SEARCHABLE)}")
-        if not v:
-            raise ConfigError(f"empty grid for {k!r}")
-    if base.interpolation == "linear":
-        grid.pop("ngram_weight", None)
-        grid.setdefault("lam", np.round(np.arange(0.0, 1.001, 0.1), 3).tolist())
-        grid = {"lam": grid.pop("lam"), **grid}  # lam first: components change with it
-    elif "lam" in grid:
-        grid.pop("lam")
+    grid = checked_grid(base, grid)
     errs, ref_words = hypothesis_errors(utts, refs)
     baseline = int(sum(e[0] for e in errs))
     oracle = int(sum(e.min() for e in errs))
@@ -242,6 +232,24 @@ def plot_surface(r: TuneResult, path: str) -> bool:
     return True
 
 
+def checked_grid(base: Weights, grid: dict[str, list[float]] | None) -> dict[str, list[float]]:
+    """The grid to search under `base`: names checked; with linear interpolation `lam`
+    (0 to 1) replaces `ngram_weight` and comes first, otherwise `lam` is dropped."""
+    grid = dict(grid or DEFAULT_GRID)
+    for k, v in grid.items():
+        if k not in SEARCHABLE:
+            raise ConfigError(f"cannot tune {k!r}; choose among {', '.join(SEARCHABLE)}")
+        if not v:
+            raise ConfigError(f"empty grid for {k!r}")
+    if base.interpolation == "linear":
+        grid.pop("ngram_weight", None)
+        grid.setdefault("lam", LAM_GRID)
+        grid = {"lam": grid.pop("lam"), **grid}  # lam first: components change with it
+    elif "lam" in grid:
+        grid.pop("lam")
+    return grid
+
+
 def tune_lattices(expanded: Sequence, refs: dict[str, list[str]], base: Weights, grid: dict[str, list[float]],
                   rounds: int = 2) -> TuneResult:
     """Coordinate search on expanded lattices: each weight in turn takes the grid value
@@ -254,6 +262,7 @@ def tune_lattices(expanded: Sequence, refs: dict[str, list[str]], base: Weights,
     missing = [e.name for e in expanded if e.name not in refs]
     if missing:
         raise SmallstateError(f"no reference for {len(missing)} lattice(s), e.g. {missing[0]!r}")
+    grid = checked_grid(base, grid)
     ref_words = sum(len(refs[e.name]) for e in expanded)
 
     def errors(w: Weights) -> int:
