@@ -2,8 +2,8 @@
 # GPU inference image for `smallstate-lm serve`: one container (one uvicorn process) per GPU.
 #
 #   docker build -t smallstate-lm:0.1.0 .
-#   docker run --gpus '"device=0"' -p 8000:8000 -v "$PWD/runs/demo:/models:ro" smallstate-lm:0.1.0 \
-#       --lm /models/lm --ngram /models/lm4.bin
+#   docker run --gpus '"device=0"' -p 8000:8000 -v "$PWD:/work:ro" smallstate-lm:0.1.0 \
+#       --lm /work/models/bible-small --ngram /work/runs/demo/lm4.bin
 #
 # Settings: the `serve` options after the image name, or SMALLSTATE_* variables (docs/service.md).
 ARG BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime

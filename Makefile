@@ -16,7 +16,7 @@ bench: setup
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/bench_forward.py
 	$(BIN)/python benchmarks/bench_nbest.py
-	test -f runs/demo/lm/model.pt || $(BIN)/smallstate-lm demo
+	test -f runs/demo/lm4.bin || $(BIN)/smallstate-lm demo
 	$(BIN)/python benchmarks/bench_lattice.py
 	$(BIN)/python benchmarks/bench_precision.py
 

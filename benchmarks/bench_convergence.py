@@ -2,15 +2,16 @@
 token, whatever the CPU (docs/benchmarks.md, a table and a PNG plot).
 
     python benchmarks/bench_convergence.py --train TRAIN --valid VALID --dev DEV \\
-        [--tokens 4000000] [--budgets 410000,860000,4000000] \\
+        [--budgets 410000,860000,4000000] [--every 200000] \\
         [--variant NAME="--set pos=none --batch-tokens 4096" ...] [--threads 2] [--jobs 1]
 
-The default recipe is `smallstate-lm train --preset small` with no other option, run
-until --tokens training tokens (words + </s>; the cosine schedule spans them). Each
---variant adds train options to that command. Every run validates on --valid every
---every tokens and at each budget; at a budget the table reports the dev perplexity of
-the checkpoint with the best validation perplexity so far (selection never sees dev).
-Runs go to runs/convergence/<name>; a finished run is read back, not trained again.
+The default recipe is `smallstate-lm train --preset small` with no other option; each
+--variant adds train options to that command. Every recipe is trained once per budget
+with `--max-tokens BUDGET` (training tokens: words + </s>; the cosine schedule spans
+the budget), validated on --valid every --every tokens and at the end; the table gives
+the dev perplexity of the checkpoint with the best validation perplexity (selection
+never sees dev). Runs go to runs/convergence/<name>-<budget>; a finished run is read
+back, not trained again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,28 +34,30 @@ PLOTS = ROOT / "docs"
 REFERENCE = {410_000: 139.1, 860_000: 108.4}
 
 
-def run_one(name: str, extra: list[str], args) -> Path:
-    """Train one variant with the CLI in a child process; returns its run directory."""
-    out = OUT / name
+def run_one(name: str, extra: list[str], tokens: int, args) -> Path:
+    """Train one variant to a token budget with the CLI in a child process; returns its
+    run directory (runs/convergence/<name>-<budget>)."""
+    out = OUT / f"{name}-{tokens}"
     if (out / "done.json").exists():
         return out
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    budgets = sorted({int(b) for b in args.budgets.split(",")} | set(range(args.every, args.tokens, args.every)))
     argv = ["train", "--train", args.train, "--valid", args.valid, "--preset", "small", *extra,
-            "--max-tokens", str(args.tokens), "--valid-every", str(10**9), "--patience", "0",
+            "--max-tokens", str(tokens), "--valid-every", str(10**9), "--patience", "0",
             "--eval-text", args.dev, "--threads", str(args.threads), "--quiet", "--out", str(out)]
-    for b in budgets:
+    for b in range(args.every, tokens, args.every):
         argv += ["--valid-at-tokens", str(b)]
     exe = Path(sys.executable).with_name("smallstate-lm")
-    with open(OUT / f"{name}.log", "w") as log:
+    log_path = out.with_suffix(".log")
+    with open(log_path, "w") as log:
         r = subprocess.run([str(exe), *argv], stdout=log, stderr=subprocess.STDOUT)
     if r.returncode != 0:
-        raise SystemExit(f"variant {name} failed (exit {r.returncode}); see {OUT / (name + '.log')}")
-    text = (OUT / f"{name}.log").read_text()
+        raise SystemExit(f"{out.name} failed (exit {r.returncode}); see {log_path}")
+    text = log_path.read_text()
     summary = json.loads(text[text.rindex('{\n  "out"'):])  # the summary `train` prints last
-    (out / "done.json").write_text(json.dumps({"summary": summary, "options": extra}, indent=2))
+    (out / "done.json").write_text(json.dumps({"summary": summary, "options": extra,
+                                               "command": "smallstate-lm " + shlex.join(argv)}, indent=2))
     return out
 
 
@@ -62,15 +66,9 @@ def curve(out: Path) -> list[dict]:
     return [r for r in recs if r.get("event") == "valid"]
 
 
-def at_budget(points: list[dict], budget: int) -> dict | None:
-    """The validation point chosen at `budget`: best valid ppl among those at or just past it
-    (the first validation that reached the budget counts)."""
-    reached = [p for p in points if p["tokens"] >= budget]
-    if not reached:
-        return None
-    limit = reached[0]["tokens"]
-    seen = [p for p in points if p["tokens"] <= limit]
-    return min(seen, key=lambda p: p["valid_ppl"])
+def chosen(points: list[dict]) -> dict:
+    """The checkpoint a user gets: the best validation perplexity of the run."""
+    return min(points, key=lambda p: p["valid_ppl"])
 
 
 def main() -> None:
@@ -78,8 +76,9 @@ def main() -> None:
     ap.add_argument("--train", default="data/train.txt")
     ap.add_argument("--valid", default="data/valid.txt")
     ap.add_argument("--dev", default="data/dev.txt")
-    ap.add_argument("--tokens", type=int, default=4_000_000)
     ap.add_argument("--budgets", default="410000,860000,4000000")
+    ap.add_argument("--read-at", default="", help="token counts read off the longest run's curve instead of "
+                    "training a run for each (its schedule is not annealed there: an upper bound)")
     ap.add_argument("--every", type=int, default=100_000, help="validate every this many training tokens")
     ap.add_argument("--variant", action="append", default=[],
                     help='NAME="train options" added to the default recipe; repeatable')
@@ -97,34 +96,50 @@ def main() -> None:
         variants.append((name, shlex.split(opts)))
     from concurrent.futures import ThreadPoolExecutor
 
+    budgets = sorted(int(b) for b in args.budgets.split(","))
+    jobs = [(name, extra, b) for name, extra in variants for b in budgets]
+    # the longest runs first, so a parallel pool ends together
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i][2])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        outs = list(pool.map(lambda v: run_one(v[0], v[1], args), variants))
-
-    budgets = [int(b) for b in args.budgets.split(",")]
-    head = "| recipe | options | " + " | ".join(f"dev ppl at {b / 1e6:.2f}M" for b in budgets) + " | tokens/s |"
-    rows = [head, "|---|---|" + "---|" * (len(budgets) + 1)]
+        done_dirs = dict(zip(order, pool.map(lambda i: run_one(*jobs[i], args), order)))
+    read_at = sorted(int(b) for b in args.read_at.split(",") if b.strip())
+    columns = sorted([(b, False) for b in budgets] + [(b, True) for b in read_at])
+    head = "| recipe | options | " + " | ".join(
+        f"dev ppl at {b / 1e6:.2f}M{'*' if read else ''}" for b, read in columns) + " | tokens/s |"
+    rows = [head, "|---|---|" + "---|" * (len(columns) + 1)]
     curves = {}
-    for (name, extra), out in zip(variants, outs):
-        pts = curve(out)
-        curves[name] = pts
-        done = json.loads((out / "done.json").read_text())["summary"]
-        cells = []
-        for b in budgets:
-            p = at_budget(pts, b)
-            cells.append("—" if p is None else f"{p['eval_ppl']:.1f}")
-        rows.append(f"| {name} | `{shlex.join(extra) or '(defaults)'}` | " + " | ".join(cells)
-                    + f" | {done['train_tokens_per_second']:,.0f} |")
+    for name, extra in variants:
+        cells, speed = {}, []
+        for i, (n, _, b) in enumerate(jobs):
+            if n != name:
+                continue
+            out = done_dirs[i]
+            pts = curve(out)
+            if b == budgets[-1]:
+                curves[name] = pts
+            cells[(b, False)] = f"{chosen(pts)['eval_ppl']:.1f}"
+            speed.append(json.loads((out / "done.json").read_text())["summary"]["train_tokens_per_second"])
+        for b in read_at:
+            seen = [p for p in curves[name] if p["tokens"] <= b + 600]  # the validation at b, a batch past it
+            cells[(b, True)] = f"{chosen(seen)['eval_ppl']:.1f}" if seen else "—"
+        rows.append(f"| {name} | `{shlex.join(extra) or '(defaults)'}` | " + " | ".join(cells[c] for c in columns)
+                    + f" | {statistics.median(speed):,.0f} |")
+    note = (f"\n\n\\* read off the {budgets[-1] / 1e6:.2f}M run's curve (best validation perplexity among its "
+            f"validations up to that point), where its schedule has not annealed yet: an upper bound on a run "
+            f"with that budget." if read_at else "")
     ref = " / ".join(f"{v:.1f} at {k / 1e6:.2f}M" for k, v in REFERENCE.items())
     plot = PLOTS / f"{args.section}.png"
     _plot(curves, plot)
     body = (f"## bench_convergence: dev perplexity against training tokens, `small` preset\n\n"
             f"Machine: {machine()}. Command: `{command()}`.\n\n"
-            f"Each run: `smallstate-lm train --preset small` plus the options shown, stopped at "
-            f"{args.tokens:,} training tokens (words + `</s>`; the cosine schedule spans them), validated every "
-            f"{args.every:,} tokens; at each budget, the dev perplexity of the checkpoint with the best validation "
-            f"perplexity so far. Reference (a plain 4-layer `nn.TransformerEncoder` LM, DESIGN.md §7): {ref}. "
-            f"Tokens/s are training throughput on this machine's CPU at {args.threads} threads, "
-            f"comparable only within this table.\n\n" + "\n".join(rows)
+            f"One run per budget: `smallstate-lm train --preset small` plus the options shown and "
+            f"`--max-tokens BUDGET` (training tokens: words + `</s>`; the cosine schedule spans the budget), "
+            f"validated on the validation text every {args.every:,} tokens and at the end; the cell is the dev "
+            f"perplexity of the checkpoint with the best validation perplexity (what `model.pt` holds). The plot "
+            f"follows the longest run of each recipe.\n\n"
+            f"Reference (a plain 4-layer `nn.TransformerEncoder` LM, DESIGN.md §7): {ref}. "
+            f"Tokens/s: median training throughput of the runs on this machine's CPU at {args.threads} threads "
+            f"each, {args.jobs} run(s) at a time; comparable only within this table.\n\n" + "\n".join(rows) + note
             + f"\n\n![dev ppl against tokens]({plot.name})\n")
     write_section(args.section, body)
     print("\n".join(rows))

@@ -4,7 +4,7 @@ Both rescore the same lattices with the same LMs and weights; reported: WER, exp
 states, LM calls, seconds (per mode, best of --repeats alternating runs; lattices
 are expanded `batch_lattices` at a time, sharing LM calls), peak LM state memory (all lattices in flight together).
 
-    python benchmarks/bench_lattice.py --lm runs/demo/lm --ngram runs/demo/lm4.bin \\
+    python benchmarks/bench_lattice.py --lm models/bible-small --ngram runs/demo/lm4.bin \\
         [--lattices DIR_OR_FILES ...] [--words words.txt] [--refs ref.txt] [--weights weights.json] [--order 4]
 """
 
@@ -33,7 +33,7 @@ from smallstate_lm.scoring import Weights  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lm", default=str(ROOT / "runs" / "demo" / "lm"))
+    ap.add_argument("--lm", default=str(ROOT / "models" / "bible-small"))
     ap.add_argument("--ngram", default=str(ROOT / "runs" / "demo" / "lm4.bin"))
     ap.add_argument("--lattices", nargs="+", default=[str(ROOT / "lattices")],
                     help="lattice files, or directories of *.lat.fst")

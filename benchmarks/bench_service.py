@@ -9,7 +9,7 @@ settings otherwise); the configurations alternate between them so that machine n
 hits both. The client is a minimal asyncio HTTP/1.1 client with one keep-alive
 connection per concurrent user, in this process.
 
-    python benchmarks/bench_service.py [--lm runs/demo/lm] [--ngram runs/demo/lm4.bin] [--nbest FILE ...]
+    python benchmarks/bench_service.py [--lm models/bible-small] [--ngram runs/demo/lm4.bin] [--nbest FILE ...]
         [--concurrency 1 8 32] [--seconds 6] [--device cpu] [--no-write]
 """
 
@@ -176,7 +176,7 @@ def build_requests(paths: list[str], n_hyps: int | None, limit: int) -> tuple[li
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lm", default=str(ROOT / "runs" / "demo" / "lm"))
+    ap.add_argument("--lm", default=str(ROOT / "models" / "bible-small"))
     ap.add_argument("--ngram", default=str(ROOT / "runs" / "demo" / "lm4.bin"))
     ap.add_argument("--nbest", nargs="+", default=[str(p) for p in sorted(DEV.glob("festival_*/nbest.tsv"))])
     ap.add_argument("--utts", type=int, default=200, help="distinct requests per shape")

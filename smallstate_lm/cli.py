@@ -53,8 +53,8 @@ def train(
     set_: List[str] = typer.Option([], "--set", help="Model config override key=value, repeatable "
                                    "(e.g. --set shared_kv=true --set dropout=0.2)."),
     optimizer: str = typer.Option("adamw", help="adamw (warmup + cosine) or sgd (newbob)."),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 1e-3 adamw, 1.0 sgd]."),
-    warmup_steps: int = typer.Option(200),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 2e-3 adamw, 1.0 sgd]."),
+    warmup_steps: int = typer.Option(100),
     max_steps: Optional[int] = typer.Option(None, help="Total steps (the cosine schedule spans them)."),
     max_tokens: Optional[int] = typer.Option(None, help="Stop after this many training tokens (words + </s>); "
                                              "the cosine schedule spans them."),
@@ -62,7 +62,8 @@ def train(
     max_minutes: Optional[float] = typer.Option(None, help="Stop after this much training time."),
     clock: str = typer.Option("wall", help="What --max-minutes measures: wall clock, or this process's cpu time."),
     stop_after: Optional[int] = typer.Option(None, help="Stop at this step, schedule unchanged (resume later)."),
-    batch_tokens: int = typer.Option(4096, help="Padded tokens per batch."),
+    batch_tokens: int = typer.Option(512, help="Padded tokens per batch (about 32 sentences; raise it "
+                                     "with --lr on GPUs)."),
     batch_sentences: Optional[int] = typer.Option(None, help="Random batches of this many sentences instead of "
                                                   "length buckets of --batch-tokens."),
     max_len: int = typer.Option(128, help="Longer sentences are cut into pieces."),

@@ -50,9 +50,9 @@ class TrainConfig:
     preset: str = "tiny"
     overrides: dict = field(default_factory=dict)  # ModelConfig fields on top of the preset
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float | None = None  # default: 1e-3 for AdamW, 1.0 for SGD
+    lr: float | None = None  # default: 2e-3 for AdamW, 1.0 for SGD
     weight_decay: float = 0.01
-    warmup_steps: int = 200
+    warmup_steps: int = 100
     max_steps: int | None = None
     # Stop after this many training tokens (words + </s>); the cosine schedule then spans
     # the token budget, so runs with different batch sizes are compared per token.
@@ -63,7 +63,8 @@ class TrainConfig:
     # comparing models on a machine shared with other work)
     clock: Literal["wall", "cpu"] = "wall"
     stop_after: int | None = None  # stop at this step without changing the schedule (as an interruption would)
-    batch_tokens: int = 4096
+    # ~32 sentences: on CPU budgets the number of updates matters more than batch size
+    batch_tokens: int = 512
     # Random batches of this many sentences instead of length buckets of batch_tokens
     batch_sentences: int | None = None
     max_len: int = 128
@@ -292,7 +293,7 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         scorer = DistributedDataParallel(scorer, device_ids=[device.index] if device.type == "cuda" else None,
                                          find_unused_parameters=sparse)
         torch.manual_seed(tc.seed * 1_000_003 + dist.rank)  # different dropout masks on each rank's rows
-    lr = tc.lr if tc.lr is not None else (1e-3 if tc.optimizer == "adamw" else 1.0)
+    lr = tc.lr if tc.lr is not None else (2e-3 if tc.optimizer == "adamw" else 1.0)
     if tc.optimizer == "adamw":
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

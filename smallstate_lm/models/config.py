@@ -149,9 +149,12 @@ PRESETS: dict[str, ModelConfig] = {
     "8L-3F": ModelConfig(n_layers=8, ff_per_layer=3, **_PAPER),
     "8L-3F-sharedkv": ModelConfig(n_layers=8, ff_per_layer=3, shared_kv=True, **_PAPER),
     "32L-1F": ModelConfig(n_layers=32, ff_per_layer=1, **_PAPER),
-    # Mid-size for CPU training runs: 4 attention layers, 2 feed-forward sublayers each.
-    "small": ModelConfig(n_layers=4, ff_per_layer=2, d_model=256, n_heads=4, d_ff=1024, d_embed=128, bias=False),
-    # For tests and the demo: trains in minutes on a laptop CPU.
+    # Mid-size for CPU training runs: 4 attention layers, 2 feed-forward sublayers each, with
+    # what made it converge per token like a plain Transformer (docs/results.md, "recipe"):
+    # rotary positions, 256-dim embeddings without a projection, scaled by sqrt(256).
+    "small": ModelConfig(n_layers=4, ff_per_layer=2, d_model=256, n_heads=4, d_ff=1024, d_embed=None, bias=False,
+                         pos="rotary", embed_scale=True),
+    # For tests: trains in minutes on a laptop CPU.
     "tiny": ModelConfig(n_layers=2, ff_per_layer=2, d_model=64, n_heads=4, d_ff=256, d_embed=64, bias=False),
 }
 
