@@ -73,7 +73,7 @@ def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: f
     return res
 
 
-LATTICE_SYSTEMS = ("n-gram", "neural + n-gram", "neural + n-gram, linear")
+LATTICE_SYSTEMS = ("n-gram", "neural + n-gram")
 
 
 def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab, ngram: NgramLM,

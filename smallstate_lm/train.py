@@ -361,8 +361,11 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
     t_start = now_s()
     elapsed = elapsed_before
     # With only a time budget the step count is unknown: the bar then just counts.
-    bar = tqdm(total=None if total_steps is None else max_steps, initial=step, unit="step",
-               disable=not (tc.progress and dist.main), dynamic_ncols=True)
+    # A token budget is counted in tokens (the step count it takes is unknown beforehand).
+    by_tokens = tc.max_tokens is not None
+    bar = tqdm(total=tc.max_tokens if by_tokens else None if total_steps is None else max_steps,
+               initial=tokens_total if by_tokens else step, unit="tok" if by_tokens else "step",
+               unit_scale=by_tokens, disable=not (tc.progress and dist.main), dynamic_ncols=True)
     tok_window, t_window = 0, time.perf_counter()
     stop_reason = "max_steps"
     tokens_seen, step_seconds = 0, 0.0  # this process's training throughput, validation excluded
@@ -419,7 +422,7 @@ def _train(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
         log({"step": step, "epoch": epoch, "loss": loss_v, "lr": lr * f, "tokens": n_tok})
         tok_window += n_tok
         now = time.perf_counter()
-        bar.update(1)
+        bar.update(n_tok if by_tokens else 1)
         if now - t_window > 1.0:
             bar.set_postfix(loss=f"{loss_v:.3f}", ppl=f"{math.exp(min(loss_v, 50)):.1f}",
                             tok_s=f"{tok_window / (now - t_window):.0f}")

@@ -70,3 +70,21 @@ def test_the_shipped_model_rescores_and_serves(kenlm_model, tmp_path):
         assert s.stop() == 0
     assert r.status_code == 200, r.text
     assert r.json()["sentences"][0]["neural"]["logprob"] == pytest.approx(want, abs=1e-3)
+
+
+def test_demo_prints_first_pass_ngram_alone_and_neural_plus_ngram(tmp_path):
+    from conftest import run_cli
+
+    p = run_cli("demo", "-o", tmp_path / "demo", timeout=600)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    wer = {}
+    for name in ("first pass", "n-gram alone", "neural + n-gram"):
+        found = [x for x in lines if x.strip().startswith(name + " ")]
+        assert len(found) == 1, p.stdout
+        wer[name] = float(found[0].split()[-1].rstrip("%"))
+    # the two rescoring runs decode the same lattices with the same first-pass scores
+    first = [(tmp_path / "demo" / d / "wer.txt").read_text().splitlines()[1] for d in ("rescored", "rescored-ngram")]
+    assert first[0] == first[1]
+    assert (tmp_path / "demo" / "rescored" / "best.txt").exists()
+    assert all(0.0 <= v <= 100.0 for v in wer.values()), wer
