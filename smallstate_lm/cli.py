@@ -423,7 +423,8 @@ def tune(
     weights: Optional[Path] = typer.Option(None, "--weights", help="Starting weights (fixed ones kept)."),
     set_: List[str] = typer.Option([], "--set", help="Fixed weight key=value, e.g. --set am_scale=0.105."),
     search: str = typer.Option("lm_weight,ngram_weight,word_penalty", help="Comma-separated weights to tune."),
-    interpolation: str = typer.Option("loglinear", help="loglinear or linear (then lam is tuned too)."),
+    interpolation: Optional[str] = typer.Option(None, help="loglinear or linear (then lam is tuned too) "
+                                                "[default: from --weights/--set, else loglinear]."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of WER against lm_weight (needs matplotlib)."),
     mbr: bool = typer.Option(False, "--mbr", help="N-best lists: also tune mbr_scale, the posterior scale of "
                              "minimum-Bayes-risk selection (0 keeps the highest total)."),
@@ -439,7 +440,9 @@ def tune(
     from .rescoring.tune import DEFAULT_GRID, LAM_GRID, plot_surface, surface_text
     from .rescoring.tune import tune as run_tune
 
-    base = dataclasses.replace(_weights(weights, set_), interpolation=interpolation)
+    base = _weights(weights, set_)
+    if interpolation is not None:
+        base = dataclasses.replace(base, interpolation=interpolation)
     keys = [k.strip() for k in search.split(",") if k.strip()]
     if lm is None:
         keys = [k for k in keys if k != "lm_weight"]

@@ -217,3 +217,18 @@ def test_tune_on_lattices_then_rescore_reproduces_its_wer(tmp_path, kenlm_model)
     assert proc.returncode == 0, proc.stderr
     wer = float(re.search(r"%WER ([\d.]+)", (out / "wer.txt").read_text()).group(1))
     assert abs(wer - 100 * tuned["dev_wer"]) < 0.01
+
+
+def test_tune_on_lattices_searches_the_linear_weight_with_the_neural_lm_in_the_expansion(
+        tmp_path, kenlm_model, tiny_lm_dir):
+    import json
+
+    lats = _dev_lattices()[:2]
+    weights = tmp_path / "w.json"
+    proc = run_cli("tune", *lats, "--words", LAT_DIR / "words.txt", "--refs", LAT_DIR / "ref.txt", "--lm",
+                   tiny_lm_dir, "--ngram", kenlm_model, "--set", "am_scale=0.105", "--set", "interpolation=linear",
+                   "--search", "lam,lm_weight", "-o", weights, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    tuned = json.loads(weights.read_text())
+    assert tuned["interpolation"] == "linear" and 0.0 <= tuned["lam"] <= 1.0
+    assert "WER% vs lam" in proc.stdout  # lam leads the search: the components change with it
