@@ -4,12 +4,11 @@ import json
 
 import numpy as np
 import pytest
+from conftest import DATA, run_cli
 
 from smallstate_lm.checkpoint import export_model, load_model
 from smallstate_lm.evaluate import evaluate_file, interpolate
 from smallstate_lm.ngram import evaluate_ngram
-
-from conftest import DATA, run_cli
 
 
 def test_interpolation_at_the_ends_is_each_model_and_the_best_is_no_worse(tiny_lm_dir, kenlm_model):

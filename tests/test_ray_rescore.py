@@ -107,8 +107,8 @@ def test_ray_run_writes_the_local_runs_files(tmp_path, ray_address, tiny_lm_dir,
 def test_other_batches_on_two_actors_agree_up_to_float_rounding(tmp_path, ray_address, tiny_lm_dir, kenlm_model):
     paths = _lattices()
     _local_run(tmp_path / "local", tiny_lm_dir, kenlm_model, paths)
-    rescore_lattice_files_ray(paths, _job(tiny_lm_dir, kenlm_model), tmp_path / "ray", max_actors=2, batch_size=1,
-                              progress=False)
+    rescore_lattice_files_ray(paths, _job(tiny_lm_dir, kenlm_model), tmp_path / "ray", read_text(LAT_DIR / "ref.txt"),
+                              max_actors=2, batch_size=1, progress=False)
     assert_same_outputs(tmp_path / "local", tmp_path / "ray")
 
 
