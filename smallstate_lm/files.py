@@ -10,6 +10,16 @@ from pathlib import Path
 from typing import Iterator
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# Read once at import, while nothing else runs: os.umask can only be read by setting it.
+_UMASK = _read_umask()
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path`; when the block succeeds it is renamed over
@@ -18,6 +28,8 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    # mkstemp makes the file private (0600); outputs get the mode a plain open() would give
+    os.chmod(tmp, 0o666 & ~_UMASK)
     try:
         yield Path(tmp)
         os.replace(tmp, path)

@@ -1,0 +1,23 @@
+"""Atomic outputs: the final name appears whole, with the mode a plain write would give."""
+
+import stat
+
+import pytest
+
+from smallstate_lm.files import atomic_output, atomic_write_text
+
+
+def test_an_atomic_output_gets_the_mode_of_a_plain_write(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    atomic_write_text(tmp_path / "atomic.txt", "x")
+    mode = stat.S_IMODE((tmp_path / "atomic.txt").stat().st_mode)
+    assert mode == stat.S_IMODE(plain.stat().st_mode)
+
+
+def test_a_failed_write_leaves_neither_the_name_nor_a_temp_file(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_output(tmp_path / "out.bin") as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
