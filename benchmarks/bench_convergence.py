@@ -107,7 +107,7 @@ def main() -> None:
     head = "| recipe | options | " + " | ".join(
         f"dev ppl at {b / 1e6:.2f}M{'*' if read else ''}" for b, read in columns) + " | tokens/s |"
     rows = [head, "|---|---|" + "---|" * (len(columns) + 1)]
-    curves = {}
+    curves, ends = {}, {}
     for name, extra in variants:
         cells, speed = {}, []
         for i, (n, _, b) in enumerate(jobs):
@@ -118,6 +118,7 @@ def main() -> None:
             if b == budgets[-1]:
                 curves[name] = pts
             cells[(b, False)] = f"{chosen(pts)['eval_ppl']:.1f}"
+            ends.setdefault(name, []).append((b, chosen(pts)["eval_ppl"]))
             speed.append(json.loads((out / "done.json").read_text())["summary"]["train_tokens_per_second"])
         for b in read_at:
             seen = [p for p in curves[name] if p["tokens"] <= b + 600]  # the validation at b, a batch past it
@@ -129,14 +130,14 @@ def main() -> None:
             f"with that budget." if read_at else "")
     ref = " / ".join(f"{v:.1f} at {k / 1e6:.2f}M" for k, v in REFERENCE.items())
     plot = PLOTS / f"{args.section}.png"
-    _plot(curves, plot)
+    _plot(curves, ends, plot)
     body = (f"## bench_convergence: dev perplexity against training tokens, `small` preset\n\n"
             f"Machine: {machine()}. Command: `{command()}`.\n\n"
             f"One run per budget: `smallstate-lm train --preset small` plus the options shown and "
             f"`--max-tokens BUDGET` (training tokens: words + `</s>`; the cosine schedule spans the budget), "
             f"validated on the validation text every {args.every:,} tokens and at the end; the cell is the dev "
             f"perplexity of the checkpoint with the best validation perplexity (what `model.pt` holds). The plot "
-            f"follows the longest run of each recipe.\n\n"
+            f"follows the longest run of each recipe; its dots are the runs with their own budget.\n\n"
             f"Reference (a plain 4-layer `nn.TransformerEncoder` LM, DESIGN.md §7): {ref}. "
             f"Tokens/s: median training throughput of the runs on this machine's CPU at {args.threads} threads "
             f"each, {args.jobs} run(s) at a time; comparable only within this table.\n\n" + "\n".join(rows) + note
@@ -145,7 +146,8 @@ def main() -> None:
     print("\n".join(rows))
 
 
-def _plot(curves: dict[str, list[dict]], path: Path) -> None:
+def _plot(curves: dict[str, list[dict]], ends: dict[str, list[tuple[int, float]]], path: Path) -> None:
+    """Each recipe's longest run as a line, and the result of each budget's own run as a dot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,7 +155,10 @@ def _plot(curves: dict[str, list[dict]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in curves.items():
-        ax.plot([p["tokens"] / 1e6 for p in pts], [p["eval_ppl"] for p in pts], marker=".", label=name)
+        line, = ax.plot([p["tokens"] / 1e6 for p in pts], [p["eval_ppl"] for p in pts], marker=".", label=name)
+        if len(ends.get(name, [])) > 1:
+            ax.scatter([b / 1e6 for b, _ in ends[name]], [v for _, v in ends[name]], s=60, color=line.get_color(),
+                       edgecolors="black", zorder=4, label=f"{name}: run with that budget")
     ax.scatter([k / 1e6 for k in REFERENCE], list(REFERENCE.values()), marker="x", color="black",
                label="plain Transformer (reference)", zorder=5)
     ax.set_xlabel("training tokens (millions)")
