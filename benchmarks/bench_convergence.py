@@ -77,8 +77,6 @@ def main() -> None:
     ap.add_argument("--valid", default="data/valid.txt")
     ap.add_argument("--dev", default="data/dev.txt")
     ap.add_argument("--budgets", default="410000,860000,4000000")
-    ap.add_argument("--read-at", default="", help="token counts read off the longest run's curve instead of "
-                    "training a run for each (its schedule is not annealed there: an upper bound)")
     ap.add_argument("--every", type=int, default=100_000, help="validate every this many training tokens")
     ap.add_argument("--variant", action="append", default=[],
                     help='NAME="train options" added to the default recipe; repeatable')
@@ -102,14 +100,11 @@ def main() -> None:
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i][2])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         done_dirs = dict(zip(order, pool.map(lambda i: run_one(*jobs[i], args), order)))
-    read_at = sorted(int(b) for b in args.read_at.split(",") if b.strip())
-    columns = sorted([(b, False) for b in budgets] + [(b, True) for b in read_at])
-    head = "| recipe | options | " + " | ".join(
-        f"dev ppl at {b / 1e6:.2f}M{'*' if read else ''}" for b, read in columns) + " | tokens/s |"
-    rows = [head, "|---|---|" + "---|" * (len(columns) + 1)]
+    head = "| recipe | options | " + " | ".join(f"dev ppl at {b / 1e6:.2f}M" for b in budgets) + " | tokens/s |"
+    rows = [head, "|---|---|" + "---|" * (len(budgets) + 1)]
     curves, ends = {}, {}
     for name, extra in variants:
-        cells, speed = {}, []
+        cells, speed = [], []
         for i, (n, _, b) in enumerate(jobs):
             if n != name:
                 continue
@@ -117,17 +112,11 @@ def main() -> None:
             pts = curve(out)
             if b == budgets[-1]:
                 curves[name] = pts
-            cells[(b, False)] = f"{chosen(pts)['eval_ppl']:.1f}"
+            cells.append(f"{chosen(pts)['eval_ppl']:.1f}")
             ends.setdefault(name, []).append((b, chosen(pts)["eval_ppl"]))
             speed.append(json.loads((out / "done.json").read_text())["summary"]["train_tokens_per_second"])
-        for b in read_at:
-            seen = [p for p in curves[name] if p["tokens"] <= b + 600]  # the validation at b, a batch past it
-            cells[(b, True)] = f"{chosen(seen)['eval_ppl']:.1f}" if seen else "—"
-        rows.append(f"| {name} | `{shlex.join(extra) or '(defaults)'}` | " + " | ".join(cells[c] for c in columns)
+        rows.append(f"| {name} | `{shlex.join(extra) or '(defaults)'}` | " + " | ".join(cells)
                     + f" | {statistics.median(speed):,.0f} |")
-    note = (f"\n\n\\* read off the {budgets[-1] / 1e6:.2f}M run's curve (best validation perplexity among its "
-            f"validations up to that point), where its schedule has not annealed yet: an upper bound on a run "
-            f"with that budget." if read_at else "")
     ref = " / ".join(f"{v:.1f} at {k / 1e6:.2f}M" for k, v in REFERENCE.items())
     plot = PLOTS / f"{args.section}.png"
     _plot(curves, ends, plot)
@@ -140,7 +129,7 @@ def main() -> None:
             f"follows the longest run of each recipe; its dots are the runs with their own budget.\n\n"
             f"Reference (a plain 4-layer `nn.TransformerEncoder` LM, DESIGN.md §7): {ref}. "
             f"Tokens/s: median training throughput of the runs on this machine's CPU at {args.threads} threads "
-            f"each, {args.jobs} run(s) at a time; comparable only within this table.\n\n" + "\n".join(rows) + note
+            f"each, {args.jobs} run(s) at a time; comparable only within this table.\n\n" + "\n".join(rows)
             + f"\n\n![dev ppl against tokens]({plot.name})\n")
     write_section(args.section, body)
     print("\n".join(rows))

@@ -186,13 +186,14 @@ def demo(
 ):
     """Rescore the bundled lattices with a KenLM 4-gram alone and with the shipped neural
     LM + the 4-gram, and print the WER of the first pass and of both."""
-    from .checkpoint import MODEL_FILE, load_model
+    from .checkpoint import load_model
     from .models import count_parameters
     from .ngram import build_ngram
 
-    model_file = model / MODEL_FILE if model.is_dir() else model
-    if not model_file.exists():
-        raise ConfigError(f"{model}: no trained model there (the shipped one is models/bible-small/)")
+    lm = load_model(model)  # before any work: a missing or bad model fails with its path
+    typer.echo(f"demo: neural LM {model} ({lm.config.name}, {count_parameters(lm.model):,} parameters, "
+               f"{lm.model.state_numel_per_position():,} state numbers/position)")
+    del lm
     ngram_bin = out / "lm4.bin"
     if not ngram_bin.exists():
         typer.echo(f"demo: building a 4-gram on {train} (lmplz, cached in {ngram_bin})")
@@ -201,10 +202,6 @@ def demo(
     if not fsts:
         raise ConfigError(f"{lattices}: no *.fst lattices to rescore")
     refs = lattices / "ref.txt"
-    lm = load_model(model)
-    typer.echo(f"demo: neural LM {model} ({lm.config.name}, {count_parameters(lm.model):,} parameters, "
-               f"{lm.model.state_numel_per_position():,} state numbers/position)")
-    del lm
     rescore_cmd = typer.main.get_command(app)
     results = {}
     for name, lm_args, weights in (("n-gram alone", [], "weights-ngram.json"),

@@ -68,8 +68,31 @@ def pad_batch(seqs: Sequence[Sequence[int]], device: torch.device | str | None =
     return tokens.to(device), lengths.to(device)
 
 
+class _EpochBatches:
+    """What the sentence batchers share: a subclass gives `seqs`, `seed`, `__len__`
+    (batches per epoch) and `batch_ids(step)`."""
+
+    def _epoch_permutation(self, n: int, epoch: int) -> list[int]:
+        """A random order of range(n) for `epoch`, the same on every call (and resume);
+        the last one is kept, as every step of an epoch asks for it."""
+        if getattr(self, "_perm_key", None) != (n, epoch):
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
+            self._perm = torch.randperm(n, generator=gen).tolist()
+            self._perm_key = (n, epoch)
+        return self._perm
+
+    def batch(self, step: int) -> tuple[int, list[list[int]]]:
+        """The batch for global step `step` (0-based): (epoch, sequences)."""
+        return step // len(self), [self.seqs[i] for i in self.batch_ids(step)]
+
+    def iter_from(self, step: int) -> Iterator[tuple[int, list[list[int]]]]:
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
 @dataclass
-class BucketBatcher:
+class BucketBatcher(_EpochBatches):
     """Batches of sentences of similar length, at most `batch_tokens` padded tokens
     each; the batch order is shuffled per epoch from (seed, epoch), so any step of
     any epoch can be regenerated on resume."""
@@ -100,28 +123,16 @@ class BucketBatcher:
         return len(self.batches)
 
     def epoch_order(self, epoch: int) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
-        return torch.randperm(len(self.batches), generator=gen).tolist()
-
-    def batch(self, step: int) -> tuple[int, list[list[int]]]:
-        """The batch for global step `step` (0-based): (epoch, sequences)."""
-        epoch, k = divmod(step, len(self.batches))
-        idx = self.batches[self.epoch_order(epoch)[k]]
-        return epoch, [self.seqs[i] for i in idx]
+        return self._epoch_permutation(len(self.batches), epoch)
 
     def batch_ids(self, step: int) -> list[int]:
         """Indices into `seqs` of the batch for global step `step`, in row order."""
         epoch, k = divmod(step, len(self.batches))
         return self.batches[self.epoch_order(epoch)[k]]
 
-    def iter_from(self, step: int) -> Iterator[tuple[int, list[list[int]]]]:
-        while True:
-            yield self.batch(step)
-            step += 1
-
 
 @dataclass
-class ShuffledBatcher:
+class ShuffledBatcher(_EpochBatches):
     """Batches of `sentences` sentences drawn without replacement from a fresh random
     order each epoch, whatever their lengths (padding to the longest in the batch). Less
     efficient than length buckets, but a batch is a random sample of the text rather than
@@ -141,12 +152,7 @@ class ShuffledBatcher:
 
     def batch_ids(self, step: int) -> list[int]:
         epoch, k = divmod(step, self.n_batches)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
-        order = torch.randperm(len(self.seqs), generator=gen)
-        return order[k * self.sentences : (k + 1) * self.sentences].tolist()
-
-    def batch(self, step: int) -> tuple[int, list[list[int]]]:
-        return step // self.n_batches, [self.seqs[i] for i in self.batch_ids(step)]
+        return self._epoch_permutation(len(self.seqs), epoch)[k * self.sentences : (k + 1) * self.sentences]
 
 
 class StreamBatcher:

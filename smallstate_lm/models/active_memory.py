@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..state import LMState, append_right_aligned, cat_right_aligned, drop_empty_columns, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, init_input_projection, input_embedding
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, SelfAttention, _init_weights, residual_add
 
 # Calls at least this long run the convolution as F.conv1d, which is the faster kernel
@@ -252,7 +252,6 @@ class ActiveMemoryLM(PendingTokenLM):
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.output = OutputLayer(cfg, self.embed)
         self.apply(_init_weights)
-        init_input_projection(self)
         # persistent_conv: the k-1 vectors that precede the first input of every layer
         # (one parameter for the whole model), small so training starts near zero padding
         self.padding = nn.Parameter(torch.empty(cfg.conv_kernel - 1, cfg.d_model).normal_(0.0, 0.02)) \

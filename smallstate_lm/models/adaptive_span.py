@@ -41,7 +41,7 @@ from ..state import (
 )
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, init_input_projection, input_embedding
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 # ---- the span mask ---------------------------------------------------------------------
@@ -234,7 +234,6 @@ class CachedAttentionLM(PendingTokenLM):
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.output = OutputLayer(cfg, self.embed)
         self.apply(_init_weights)
-        init_input_projection(self)
 
     # ---- spans: hooks the trainer and `eval` call --------------------------------------
     def span_masks(self) -> list[AdaptiveSpanMask]:

@@ -52,7 +52,7 @@ from ..state import (
 )
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, init_input_projection, input_embedding
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
@@ -339,7 +339,6 @@ class FeedbackLM(PendingTokenLM):
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.output = OutputLayer(cfg, self.embed)
         self.apply(_init_weights)
-        init_input_projection(self)
 
     @property
     def max_history(self) -> int | None:

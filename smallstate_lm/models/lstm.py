@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from ..state import LMState, check_tokens, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, init_input_projection, input_embedding
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import _init_weights
 
 
@@ -52,7 +52,6 @@ class LSTMLM(nn.Module):
         # Linear and embedding weights as in the Transformer; the LSTM keeps PyTorch's
         # uniform(+-1/sqrt(d)) initialisation, which suits its gates.
         self.apply(_init_weights)
-        init_input_projection(self)
 
     # The state keeps no history positions at all, so stream training may carry it.
     max_history = 0

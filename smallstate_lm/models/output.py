@@ -23,15 +23,11 @@ def input_embedding(cfg: ModelConfig) -> tuple[nn.Embedding, nn.Linear | None]:
     its projection to d_model, None when the two widths agree."""
     embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
     proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
+    if proj is not None and cfg.embed_scale:
+        # Norm-preserving start (read by the models' weight init): the 0.02 of every other
+        # matrix would shrink the scaled embeddings again by 0.02 * sqrt(embed_dim).
+        proj.init_std = cfg.embed_dim ** -0.5
     return embed, proj
-
-
-def init_input_projection(model: nn.Module) -> None:
-    """With `embed_scale`, start the embedding projection norm-preserving (std
-    1/sqrt(embed_dim)) instead of at the 0.02 of every other matrix, which would shrink
-    the scaled embeddings again by 0.02 * sqrt(embed_dim). Call after the model's init."""
-    if model.cfg.embed_scale and model.embed_proj is not None:
-        nn.init.normal_(model.embed_proj.weight, 0.0, model.cfg.embed_dim ** -0.5)
 
 
 def embed_tokens(model: nn.Module, tokens: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..state import LMState, check_tokens, length_mask
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, init_input_projection, input_embedding
+from .output import OutputLayer, embed_tokens, input_embedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +298,6 @@ class TransformerLM(PendingTokenLM):
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.output = OutputLayer(cfg, self.embed)
         self.apply(_init_weights)
-        init_input_projection(self)
 
     # ---- the state contract ----------------------------------------------------------
     def state_numel_per_position(self) -> int:
@@ -432,7 +431,7 @@ class TransformerLM(PendingTokenLM):
 
 def _init_weights(m: nn.Module) -> None:
     if isinstance(m, nn.Linear):
-        nn.init.normal_(m.weight, 0.0, 0.02)
+        nn.init.normal_(m.weight, 0.0, getattr(m, "init_std", 0.02))
         if m.bias is not None:
             nn.init.zeros_(m.bias)
     elif isinstance(m, nn.Embedding):

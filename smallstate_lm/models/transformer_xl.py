@@ -40,7 +40,7 @@ from ..state import (
 )
 from ..vocab import BOS_ID
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, init_input_projection, input_embedding
+from .output import OutputLayer, embed_tokens, input_embedding
 from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
@@ -193,7 +193,6 @@ class TransformerXLLM(PendingTokenLM):
         self.u = nn.Parameter(torch.empty(cfg.n_heads, dh).normal_(0.0, 0.02))
         self.v = nn.Parameter(torch.empty(cfg.n_heads, dh).normal_(0.0, 0.02))
         self.apply(_init_weights)
-        init_input_projection(self)
 
     @property
     def max_history(self) -> int:
