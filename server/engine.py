@@ -223,9 +223,9 @@ class Engine:
     # ---- loading -------------------------------------------------------------------------------
     def load(self) -> None:
         from smallstate_lm.checkpoint import load_model
+        from smallstate_lm.device import pick_device
         from smallstate_lm.models import count_parameters
         from smallstate_lm.ngram import NgramLM
-        from smallstate_lm.train import pick_device
 
         s = self.s
         # Repaired lattices (dead states dropped) are normal input for a service, not news.

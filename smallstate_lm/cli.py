@@ -129,8 +129,8 @@ def eval_(
 ):
     """Perplexity, speed, parameters and state size of a trained LM."""
     _set_threads(threads)
+    from .device import pick_device
     from .evaluate import evaluate_file
-    from .train import pick_device
 
     r = evaluate_file(model, text, str(pick_device(device)), batch_tokens, ngram)
     if as_json:
@@ -266,9 +266,9 @@ def ngram_eval(
 
 def _scorers(lm: Optional[Path], ngram: Optional[Path], device: str, batch_tokens: int, share: bool = True):
     from .checkpoint import load_model
+    from .device import pick_device
     from .ngram import NgramLM
     from .scoring import NeuralScorer
-    from .train import pick_device
 
     if lm is None and ngram is None:
         raise ConfigError("give a neural LM (--lm DIR), an n-gram (--ngram FILE), or both")

@@ -3,43 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .errors import DataError
 from .vocab import EOS_ID, EncodeStats, Vocabulary
-
-
-def read_sentences(path: str | os.PathLike, lowercase: bool = False) -> list[list[str]]:
-    """One sentence per line, words split on whitespace; blank lines are skipped.
-
-    Raises DataError when the file is missing, unreadable, empty or holds no words.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory, expected a text file")
-    sentences: list[list[str]] = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                words = (line.lower() if lowercase else line).split()
-                if words:
-                    sentences.append(words)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
-    if not sentences:
-        what = "empty" if path.stat().st_size == 0 else "holds no words"
-        raise DataError(f"{path}: {what}; expected one sentence per line")
-    return sentences
 
 
 def encode_sentences(
@@ -56,16 +27,6 @@ def split_long(seqs: list[list[int]], max_len: int) -> list[list[int]]:
     for s in seqs:
         out.extend(s[i : i + max_len] for i in range(0, len(s), max_len))
     return out
-
-
-def pad_batch(seqs: Sequence[Sequence[int]], device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-    """-> tokens (B, T_max) padded with 0, lengths (B,)."""
-    T = max((len(s) for s in seqs), default=0)
-    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-    lengths = torch.as_tensor([len(s) for s in seqs], dtype=torch.long)
-    return tokens.to(device), lengths.to(device)
 
 
 class _EpochBatches:

@@ -47,13 +47,14 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from .checkpoint import atomic_torch_save, load_model
-from .data import encode_sentences, pad_batch, perplexity, read_sentences, split_long
+from .data import encode_sentences, perplexity, split_long
+from .device import pick_device
 from .errors import ConfigError
 from .evaluate import score_corpus
-from .files import atomic_write_text
+from .files import atomic_write_text, read_sentences
 from .models import MODELS, get_preset
-from .state import length_mask
-from .train import TrainConfig, pick_device, train
+from .state import length_mask, pad_batch
+from .train import TrainConfig, train
 
 CACHE_FORMAT = "smallstate-lm/teacher-cache/1"
 DEFAULT_CACHE_K = 64  # top-k used when a cache is asked for without --top-k or --sampled

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from .checkpoint import load_model
-from .data import encode_sentences, eval_batches, pad_batch, perplexity, read_sentences
+from .data import encode_sentences, eval_batches, perplexity
+from .files import read_sentences
 from .models import count_parameters
+from .state import pad_batch
 from .vocab import EncodeStats
 
 CONVENTION = (

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from .errors import DataError
+
 
 def _read_umask() -> int:
     mask = os.umask(0o022)
@@ -55,3 +57,30 @@ def read_lines(path: str | os.PathLike, error: type[Exception], what: str = "fil
         raise error(f"{path}: is a directory, expected a {what}") from None
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_sentences(path: str | os.PathLike, lowercase: bool = False) -> list[list[str]]:
+    """One sentence per line, words split on whitespace; blank lines are skipped.
+
+    Raises DataError when the file is missing, unreadable, empty or holds no words.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a text file")
+    sentences: list[list[str]] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                words = (line.lower() if lowercase else line).split()
+                if words:
+                    sentences.append(words)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    if not sentences:
+        what = "empty" if path.stat().st_size == 0 else "holds no words"
+        raise DataError(f"{path}: {what}; expected one sentence per line")
+    return sentences

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .data import read_sentences
 from .errors import SmallstateError
+from .files import read_sentences
 
 LN10 = math.log(10.0)
 

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .data import pad_batch
 from .errors import ConfigError, VocabularyError
 from .files import atomic_write_text
+from .state import pad_batch
 from .vocab import EOS_ID, Vocabulary
 
 

@@ -13,7 +13,7 @@ never modifies the state passed in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -251,3 +251,13 @@ def append_right_aligned(old: list[Tensor], old_mask: Tensor | None, new: list[T
     nm = length_mask(lengths, T) if lengths is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
     tensors, mask = right_align(tensors, torch.cat([om, nm], 1))
     return drop_empty_columns(tensors, mask)
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """-> tokens (B, T_max) padded with 0, lengths (B,)."""
+    T = max((len(s) for s in seqs), default=0)
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    lengths = torch.as_tensor([len(s) for s in seqs], dtype=torch.long)
+    return tokens.to(device), lengths.to(device)

@@ -312,8 +312,8 @@ def run_task(tc: TaskConfig) -> dict:
     """
     from tqdm import tqdm
 
+    from .device import pick_device
     from .models import count_parameters
-    from .train import pick_device
 
     tc.validate()
     task = get_task(tc.task)

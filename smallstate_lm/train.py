@@ -31,14 +31,15 @@ from .data import (
     ShuffledBatcher,
     StreamBatcher,
     encode_sentences,
-    pad_batch,
     perplexity,
-    read_sentences,
     split_long,
 )
+from .device import pick_device
 from .errors import ConfigError
 from .evaluate import score_corpus
+from .files import read_sentences
 from .models import ModelConfig, build_model, count_parameters, get_preset
+from .state import pad_batch
 from .vocab import BOS_ID, EncodeStats, Vocabulary
 
 
@@ -93,14 +94,6 @@ class TrainConfig:
     # pays off where the CPU has bf16 matrix units (AMX, AVX512-BF16). Weights stay fp32.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     progress: bool = True
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
 
 
 class Distributed:
@@ -483,13 +476,3 @@ def remove_incomplete_run(out: Path) -> None:
     """After a failure before the first checkpoint, leave no directory that looks like a run."""
     if out.is_dir() and not (out / MODEL_FILE).exists() and not (out / LAST_FILE).exists():
         shutil.rmtree(out, ignore_errors=True)
-
-
-
-if __name__ == "__main__":
-    # `torchrun --nproc_per_node N -m smallstate_lm.train --train ... --out ...`
-    import sys
-
-    from .cli import main
-
-    main(["train", *sys.argv[1:]])

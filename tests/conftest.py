@@ -57,7 +57,7 @@ def kenlm_model(tmp_path_factory) -> Path:
 def tiny_lm_dir(tmp_path_factory) -> Path:
     """A tiny Transformer checkpoint (random weights) over the bundled text's vocabulary."""
     from smallstate_lm.checkpoint import MODEL_FILE, save_checkpoint
-    from smallstate_lm.data import read_sentences
+    from smallstate_lm.files import read_sentences
     from smallstate_lm.models import build_model, get_preset
     from smallstate_lm.vocab import Vocabulary
 

@@ -1,7 +1,9 @@
 import pytest
 
-from smallstate_lm.data import BucketBatcher, pad_batch, read_sentences, split_long
+from smallstate_lm.data import BucketBatcher, split_long
 from smallstate_lm.errors import DataError
+from smallstate_lm.files import read_sentences
+from smallstate_lm.state import pad_batch
 
 
 def _seqs(n=300, seed=0):

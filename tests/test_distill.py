@@ -141,7 +141,7 @@ def test_top_k_cache_round_trip_gives_the_live_teacher_targets(tmp_path):
     for a, b in ((back.ids, cache.ids), (back.logq, cache.logq), (back.offsets, cache.offsets)):
         assert a.dtype == b.dtype and torch.equal(a, b)
     # Rows 2 and 4 looked up from the file equal the teacher run on them now (float16 log-probs).
-    from smallstate_lm.data import pad_batch
+    from smallstate_lm.state import pad_batch
 
     tokens, lengths = pad_batch([seqs[2], seqs[4]])
     got = back.lookup([2, 4], tokens.shape[1], lengths, "cpu")

@@ -43,7 +43,7 @@ def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, small_corpus
     one = subprocess.run([sys.executable, "-m", "smallstate_lm.cli", "train", *args, "--out", str(tmp_path / "one")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "smallstate_lm.train", *args,
+    two = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "smallstate_lm", "train", *args,
                           "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=300, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from smallstate_lm.checkpoint import load_model
-from smallstate_lm.data import StreamBatcher, encode_sentences, read_sentences
+from smallstate_lm.data import StreamBatcher, encode_sentences
 from smallstate_lm.errors import ConfigError
 from smallstate_lm.evaluate import evaluate_file
+from smallstate_lm.files import read_sentences
 from smallstate_lm.train import TrainConfig, train
 from smallstate_lm.vocab import Vocabulary
 

@@ -67,8 +67,8 @@ class RescoreJob:
 def build_rescorer(job: RescoreJob, device: str = "cpu") -> LatticeRescorer:
     """Load the job's LMs on `device` (cpu, cuda, cuda:N) into a LatticeRescorer."""
     from ..checkpoint import load_model
+    from ..device import pick_device
     from ..ngram import NgramLM
-    from ..train import pick_device
 
     dev = pick_device(device)
     loaded = load_model(job.lm, dev) if job.lm is not None else None
