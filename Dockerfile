@@ -31,7 +31,6 @@ COPY --from=build /wheels /wheels
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY smallstate_lm ./smallstate_lm
-COPY server ./server
 RUN pip install --no-cache-dir /wheels/*.whl . && rm -rf /wheels
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin smallstate

@@ -23,10 +23,10 @@ from common import command, machine, write_section  # noqa: E402
 
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
-from smallstate_lm.rescoring.expand import ExpandConfig, LatticeRescorer  # noqa: E402
 from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
-from smallstate_lm.rescoring.nbest import read_text  # noqa: E402
-from smallstate_lm.rescoring.run import read_lattice  # noqa: E402
+from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer  # noqa: E402
+from smallstate_lm.rescoring.lattice_files import read_lattice  # noqa: E402
+from smallstate_lm.rescoring.nbest_io import read_text  # noqa: E402
 from smallstate_lm.rescoring.wer import align_counts  # noqa: E402
 from smallstate_lm.scoring import Weights  # noqa: E402
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import command, machine, write_section  # noqa: E402
 
-from smallstate_lm.rescoring.nbest import read_nbest  # noqa: E402
+from smallstate_lm.rescoring.nbest_io import read_nbest  # noqa: E402
 
 DEV = ROOT.parent / "shared" / "data" / "dev"
 

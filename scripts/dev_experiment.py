@@ -20,10 +20,11 @@ from common import write_section  # noqa: E402
 
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
-from smallstate_lm.rescoring.expand import ExpandConfig, LatticeRescorer  # noqa: E402
-from smallstate_lm.rescoring.lattice import SymbolTable, read_fst  # noqa: E402
-from smallstate_lm.rescoring.nbest import read_nbest_tsv, read_text  # noqa: E402
-from smallstate_lm.rescoring.rescore import compute_components, ranking  # noqa: E402
+from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
+from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer  # noqa: E402
+from smallstate_lm.rescoring.lattice_io import read_fst  # noqa: E402
+from smallstate_lm.rescoring.nbest import compute_components, ranking  # noqa: E402
+from smallstate_lm.rescoring.nbest_io import read_nbest_tsv, read_text  # noqa: E402
 from smallstate_lm.rescoring.tune import DEFAULT_GRID, hypothesis_errors, tune, tune_lattices  # noqa: E402
 from smallstate_lm.rescoring.wer import align_counts  # noqa: E402
 from smallstate_lm.scoring import NeuralScorer, Weights  # noqa: E402

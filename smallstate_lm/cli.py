@@ -3,15 +3,20 @@ formats the result. Errors meant for users print as one line and exit with statu
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import sys
+import types
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import typer
 
 from .errors import ConfigError, SmallstateError
+from .train_config import DistillConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Small-state Transformer LMs for ASR rescoring.")
@@ -42,78 +47,102 @@ def _set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-@app.command()
-def train(
-    train: Path = typer.Option(..., "--train", help="Training text, one sentence per line."),
-    valid: Path = typer.Option(..., "--valid", help="Validation text for perplexity and early stopping."),
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory to create (or continue with --resume)."),
-    preset: str = typer.Option("tiny", help="Model preset: 8L-3F, 8L-3F-sharedkv, 32L-1F, small, tiny, "
-                               "xl-small, span-small, feedback-small, allatt-small, conv-small, pconv-small, "
-                               "hconv-small, cgru-small, sa-conv-small, lstm-small, ..."),
-    set_: List[str] = typer.Option([], "--set", help="Model config override key=value, repeatable "
-                                   "(e.g. --set shared_kv=true --set dropout=0.2)."),
-    optimizer: str = typer.Option("adamw", help="adamw (warmup + cosine) or sgd (newbob)."),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 2e-3 adamw, 1.0 sgd]."),
-    warmup_steps: int = typer.Option(100),
-    max_steps: Optional[int] = typer.Option(None, help="Total steps (the cosine schedule spans them)."),
-    max_tokens: Optional[int] = typer.Option(None, help="Stop after this many training tokens (words + </s>); "
-                                             "the cosine schedule spans them."),
-    max_epochs: int = typer.Option(20),
-    max_minutes: Optional[float] = typer.Option(None, help="Stop after this much training time."),
-    clock: str = typer.Option("wall", help="What --max-minutes measures: wall clock, or this process's cpu time."),
-    stop_after: Optional[int] = typer.Option(None, help="Stop at this step, schedule unchanged (resume later)."),
-    batch_tokens: int = typer.Option(512, help="Padded tokens per batch (about 32 sentences; raise it "
-                                     "with --lr on GPUs)."),
-    batch_sentences: Optional[int] = typer.Option(None, help="Random batches of this many sentences instead of "
-                                                  "length buckets of --batch-tokens."),
-    max_len: int = typer.Option(128, help="Longer sentences are cut into pieces."),
-    clip: float = typer.Option(1.0, help="Gradient-norm clipping; 0 disables."),
-    valid_every: int = typer.Option(500),
-    valid_at_tokens: List[int] = typer.Option([], help="Also validate when training reaches this many "
-                                              "tokens; repeatable."),
-    eval_text: Optional[Path] = typer.Option(None, help="Also score this text at every validation (logged as "
-                                             "eval_ppl in train_log.jsonl; never used to select or stop)."),
-    patience: int = typer.Option(5, help="Validations without improvement before stopping; 0 = never."),
-    seed: int = typer.Option(1),
-    min_count: int = typer.Option(1),
-    max_vocab: Optional[int] = typer.Option(None),
-    lowercase: bool = typer.Option(False),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
-    resume: bool = typer.Option(False, help="Continue the run in --out from its last.pt."),
-    init_from: Optional[Path] = typer.Option(None, help="Start from this checkpoint's weights, vocabulary and "
-                                             "config (a new run with a fresh optimizer and schedule)."),
-    vocab_from: Optional[Path] = typer.Option(None, help="Use this run directory's (or vocab.txt's) vocabulary."),
-    stream: bool = typer.Option(False, help="Train on running text: consecutive --max-len segments with the "
-                                "state carried across (models with bounded state: xl-small, span-small, ...)."),
-    precision: str = typer.Option("auto", help="Matmul precision under autocast: auto (bf16 on CUDA, fp32 on CPU), "
-                                  "fp32, or bf16 (also on CPUs with bf16 units such as AMX; weights stay fp32)."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
-):
-    """Train an LM on a text file."""
-    _set_threads(threads)
-    from .train import TrainConfig, remove_incomplete_run
-    from .train import train as run_train
+def _option_type(hint, path: bool):
+    """The type Typer parses an option into, for a config field of type `hint`."""
+    if get_origin(hint) in (Union, types.UnionType):  # `X | None`
+        return Optional[_option_type(next(a for a in get_args(hint) if a is not type(None)), path)]
+    if path:
+        return Path
+    if get_origin(hint) is Literal:
+        return str  # the library checks the value, in one message naming the choices
+    if get_origin(hint) is list:
+        return List[get_args(hint)[0]]
+    return List[str] if hint is dict else hint  # a dict is given as repeated key=value (parse_overrides)
 
-    tc = TrainConfig(
-        train=str(train), valid=str(valid), out=str(out), preset=preset, overrides=parse_overrides(set_),
-        optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, max_tokens=max_tokens,
-        max_epochs=max_epochs, max_minutes=max_minutes, stop_after=stop_after, batch_tokens=batch_tokens,
-        batch_sentences=batch_sentences,
-        max_len=max_len, clip=clip, valid_every=valid_every, valid_at_tokens=list(valid_at_tokens),
-        eval_text=str(eval_text) if eval_text else None, patience=patience, seed=seed, min_count=min_count,
-        max_vocab=max_vocab, lowercase=lowercase, device=device, resume=resume, progress=not quiet,
-        init_from=str(init_from) if init_from else None, vocab_from=str(vocab_from) if vocab_from else None,
-        stream=stream, clock=clock, precision=precision,
-    )
+
+def _options(cls, changes: dict[str, dict] | None = None) -> dict[str, inspect.Parameter]:
+    """The Typer options of the fields of config dataclass `cls` made with `option()`, by
+    field name, in field order. `changes` replaces some of a field's option settings
+    (default, help, flags) for one command."""
+    hints = get_type_hints(cls)
+    params = {}
+    for f in dataclasses.fields(cls):
+        if "cli" not in f.metadata:
+            continue
+        spec = {**f.metadata["cli"], **(changes or {}).get(f.name, {})}
+        default = spec.get("default", f.default_factory() if f.default_factory is not dataclasses.MISSING
+                           else f.default)
+        if spec["negated"]:
+            name, kind, default = spec["negated"], bool, not default
+        else:
+            name, kind = f.name, _option_type(hints[f.name], spec["path"])
+            default = [] if isinstance(default, dict) else default  # a dict: no --set pairs by default
+        params[f.name] = inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, typer.Option(*spec["flags"],
+                                                                                          help=spec["help"])],
+            default=inspect.Parameter.empty if default is dataclasses.MISSING else default)
+    return params
+
+
+def _config(cls, values: dict):
+    """An instance of config dataclass `cls` from the values of its options (`_options`);
+    fields without a value keep their defaults."""
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get("cli")
+        if spec is None or (spec["negated"] or f.name) not in values:
+            continue
+        value = values[spec["negated"] or f.name]
+        if spec["negated"]:
+            value = not value
+        elif hints[f.name] is dict:
+            value = parse_overrides(value)
+        elif isinstance(value, (list, tuple)):
+            value = list(value)
+        elif spec["path"] and value is not None:
+            value = str(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+_THREADS = inspect.Parameter("threads", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+    Optional[int], typer.Option(help="CPU threads for PyTorch [default: all cores].")])
+
+
+def _signature(params: Iterable[inspect.Parameter]) -> Callable:
+    """Give a command that takes `**options` the signature Typer reads its options from."""
+    def wrap(fn: Callable) -> Callable:
+        fn.__signature__ = inspect.Signature([*params, _THREADS])
+        return fn
+
+    return wrap
+
+
+def _train_into(out: Path, run: Callable[[], dict]) -> None:
+    """Print the summary of `run()`, a training into `out`; after a failure, leave no
+    directory there that looks like a run unless one was there before."""
+    from .train import remove_incomplete_run
+
     existed = out.exists()
     try:
-        summary = run_train(tc)
+        summary = run()
     except BaseException:
         if not existed:
             remove_incomplete_run(out)
         raise
     typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command()
+@_signature(_options(TrainConfig).values())
+def train(**options):
+    """Train an LM on a text file."""
+    _set_threads(options.pop("threads"))
+    from .train import train as run_train
+
+    tc = _config(TrainConfig, options)
+    _train_into(Path(tc.out), lambda: run_train(tc))
 
 
 @app.command("eval")
@@ -264,20 +293,46 @@ def ngram_eval(
                    f"{r['tokens']:,} tokens, {r['oov_words']:,} OOV words ({100 * r['oov_rate']:.2f}%)")
 
 
-def _scorers(lm: Optional[Path], ngram: Optional[Path], device: str, batch_tokens: int, share: bool = True):
+def _load_lms(lm: Optional[Path], ngram: Optional[Path], device: str):
+    """(the loaded neural LM or None, the n-gram or None); at least one must be given."""
     from .checkpoint import load_model
     from .device import pick_device
     from .ngram import NgramLM
-    from .scoring import NeuralScorer
 
     if lm is None and ngram is None:
         raise ConfigError("give a neural LM (--lm DIR), an n-gram (--ngram FILE), or both")
-    neural = None
-    if lm is not None:
-        dev = pick_device(device)
-        loaded = load_model(lm, dev)
-        neural = NeuralScorer(loaded.model, loaded.vocab, dev, batch_tokens, share)
-    return neural, (NgramLM(ngram) if ngram is not None else None)
+    loaded = load_model(lm, pick_device(device)) if lm is not None else None
+    return loaded, (NgramLM(ngram) if ngram is not None else None)
+
+
+def _scorers(lm: Optional[Path], ngram: Optional[Path], device: str, batch_tokens: int, share: bool = True):
+    from .scoring import NeuralScorer
+
+    loaded, ng = _load_lms(lm, ngram, device)
+    if loaded is None:
+        return None, ng
+    dev = next(loaded.model.parameters()).device
+    return NeuralScorer(loaded.model, loaded.vocab, dev, batch_tokens, share), ng
+
+
+def _lattice_rescorer(lm, ngram, w, device, cfg):
+    from .rescoring.lattice_expand import build_rescorer
+
+    loaded, ng = _load_lms(lm, ngram, device)
+    return build_rescorer(w, loaded, ng, cfg)
+
+
+def _symbols(words: Optional[Path], lattices):
+    from .rescoring.lattice import SymbolTable
+    from .rescoring.lattice_io import lattice_format
+
+    if words is not None:
+        return SymbolTable.read(words)
+    need = [p for p in lattices if (f := lattice_format(p)) is not None and f.needs_symbols]
+    if need:
+        raise ConfigError(f"{need[0]}: {lattice_format(need[0]).description} lattices need the decoder's symbol "
+                          "table: --words words.txt")
+    return None
 
 
 def _weights(path: Optional[Path], overrides: list[str], direct: dict | None = None):
@@ -327,8 +382,8 @@ def rescore(
 ):
     """Rescore n-best lists (.tsv, .jsonl) or lattices (.fst, .slf[.gz]): writes best.txt,
     nbest.jsonl, rescored lattices (lattices/) and, with --refs, wer.txt."""
-    from .rescoring.nbest import read_nbest, read_text, write_nbest_jsonl, write_text
-    from .rescoring.rescore import apply_weights, compute_components
+    from .rescoring.nbest import apply_weights, compute_components
+    from .rescoring.nbest_io import read_nbest, read_text, write_nbest_jsonl, write_text
 
     kinds = {_is_lattice(p) for p in inputs}
     if len(kinds) > 1:
@@ -365,21 +420,17 @@ def rescore(
 
 
 def _is_lattice(p: Path) -> bool:
-    return p.name.endswith(".fst") or ".slf" in p.name
+    from .rescoring.lattice_io import lattice_format
+
+    return lattice_format(p) is not None
 
 
 def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam, max_per_state,
                       max_states, nbest, quiet, ray=None, ray_actors=None):
-    from .rescoring.expand import ExpandConfig, LatticeRescorer
-    from .rescoring.lattice import SymbolTable
-    from .rescoring.run import rescore_lattice_files
+    from .rescoring.lattice_expand import ExpandConfig
+    from .rescoring.lattice_files import rescore_lattice_files
 
-    if words is None:
-        if any(p.name.endswith(".fst") for p in inputs):
-            raise ConfigError("OpenFST lattices need the decoder's symbol table: --words words.txt")
-        symbols = None
-    else:
-        symbols = SymbolTable.read(words)
+    symbols = _symbols(words, inputs)
     cfg = ExpandConfig(max_ngram_order=None if exact else max_ngram_order, beam=beam, max_per_state=max_per_state,
                        max_states=max_states)
     errors = []
@@ -389,16 +440,14 @@ def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_
         typer.echo(f"error: {msg} (skipped)", err=True)
 
     if ray is not None:
-        from .rescoring.distributed import RescoreJob, rescore_lattice_files_ray
+        from .rescoring.ray_runner import RescoreJob, rescore_lattice_files_ray
 
         job = RescoreJob(*(str(p.resolve()) if p else None for p in (words, lm, ngram)), weights=w, config=cfg,
                          nbest=nbest)
         summary = rescore_lattice_files_ray(inputs, job, out, ref, ray, device, ray_actors, progress=not quiet,
                                             on_error=on_error)
     else:
-        neural, ng = _scorers(lm, ngram, device, 8192)
-        rescorer = LatticeRescorer(w, neural.model if neural else None, neural.vocab if neural else None, ng, cfg,
-                                   neural.device if neural else "cpu")
+        rescorer = _lattice_rescorer(lm, ngram, w, device, cfg)
         summary = rescore_lattice_files(inputs, symbols, rescorer, out, ref, nbest, progress=not quiet,
                                         on_error=on_error)
     typer.echo(summary.line())
@@ -432,8 +481,8 @@ def tune(
     """Tune interpolation weights on a dev set and write the best to a JSON file."""
     import dataclasses
 
-    from .rescoring.nbest import read_nbest, read_text
-    from .rescoring.rescore import compute_components
+    from .rescoring.nbest import compute_components
+    from .rescoring.nbest_io import read_nbest, read_text
     from .rescoring.tune import DEFAULT_GRID, LAM_GRID, plot_surface, surface_text
     from .rescoring.tune import tune as run_tune
 
@@ -484,19 +533,14 @@ def _tune_lattices(lattices, words, refs, lm, ngram, base, grid, out, device, ex
 
     from tqdm import tqdm
 
-    from .rescoring.expand import ExpandConfig, LatticeRescorer
-    from .rescoring.lattice import SymbolTable
-    from .rescoring.nbest import read_text
-    from .rescoring.run import read_lattice
+    from .rescoring.lattice_expand import ExpandConfig
+    from .rescoring.lattice_io import read_lattice
+    from .rescoring.nbest_io import read_text
     from .rescoring.tune import surface_text, tune_lattices
 
-    if words is None and any(p.name.endswith(".fst") for p in lattices):
-        raise ConfigError("OpenFST lattices need the decoder's symbol table: --words words.txt")
-    symbols = SymbolTable.read(words) if words else None
-    neural, ng = _scorers(lm, ngram, device, 8192)
-    rescorer = LatticeRescorer(base, neural.model if neural else None, neural.vocab if neural else None, ng,
-                               ExpandConfig(max_ngram_order=None if exact else max_ngram_order),
-                               neural.device if neural else "cpu")
+    symbols = _symbols(words, lattices)
+    cfg = ExpandConfig(max_ngram_order=None if exact else max_ngram_order)
+    rescorer = _lattice_rescorer(lm, ngram, base, device, cfg)
     lats = [read_lattice(p, symbols) for p in lattices]
     expanded = [e for _, e in tqdm(rescorer.expand_many(lats), total=len(lats), disable=quiet, desc="expand")]
     r = tune_lattices(expanded, read_text(refs), base, grid)
@@ -514,7 +558,7 @@ def wer(
     hyp: Path = typer.Option(..., "--hyp", help="Hypothesis text, same format."),
 ):
     """Corpus WER with substitutions, deletions and insertions."""
-    from .rescoring.nbest import read_text
+    from .rescoring.nbest_io import read_text
     from .rescoring.wer import corpus_wer
 
     total, _ = corpus_wer(read_text(ref), read_text(hyp))
@@ -536,8 +580,8 @@ def serve(
                                    "(see docs/service.md; env SMALLSTATE_<KEY> works too)."),
 ):
     """Serve rescoring over HTTP (FastAPI + uvicorn): POST /rescore, /score; GET /healthz, /readyz, /metrics."""
-    from server.app import serve as run_server
-    from server.settings import Settings
+    from .service import Settings
+    from .service import serve as run_server
 
     options = {"lm": str(lm) if lm else None, "ngram": str(ngram) if ngram else None,
                "weights": str(weights) if weights else None, "host": host, "port": port, "device": device,
@@ -545,55 +589,32 @@ def serve(
     run_server(Settings.from_env(assignments=set_, **options))
 
 
-@app.command()
-def distill(
-    teacher: Path = typer.Option(..., "--teacher", help="The teacher's run directory or checkpoint."),
-    student_preset: str = typer.Option("lstm-small", "--student-preset", help="Student preset (lstm-small, ...)."),
-    train: Path = typer.Option(..., "--train", help="Training text, one sentence per line."),
-    valid: Path = typer.Option(..., "--valid", help="Validation text for perplexity and early stopping."),
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory for the student."),
-    lam: float = typer.Option(0.5, "--lambda", help="Weight of the teacher term: (1-λ)·CE(labels) + λ·T²·CE(teacher)."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Softens both distributions (KD term scaled by T²)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Teacher's k most probable tokens per position, "
-                                        "renormalised [default: the full distribution; 64 with --teacher-cache]."),
-    sampled: Optional[int] = typer.Option(None, "--sampled", help="Instead, N tokens sampled from the teacher per "
-                                          "position, importance-weighted."),
-    teacher_cache: Optional[Path] = typer.Option(None, "--teacher-cache", help="File of the teacher's top-k (or "
-                                                 "sampled) targets: made on the first run, read by later ones."),
-    max_minutes: Optional[float] = typer.Option(None, help="Stop after this much training time."),
-    clock: str = typer.Option("wall", help="What --max-minutes measures: wall clock, or this process's cpu time."),
-    max_steps: Optional[int] = typer.Option(None, help="Total steps (the cosine schedule spans them)."),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: 1e-3]."),
-    warmup_steps: int = typer.Option(200),
-    batch_tokens: int = typer.Option(4096, help="Padded tokens per batch."),
-    valid_every: int = typer.Option(500),
-    patience: int = typer.Option(5, help="Validations without improvement before stopping; 0 = never."),
-    seed: int = typer.Option(1),
-    set_: List[str] = typer.Option([], "--set", help="Student config override key=value, repeatable."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
-):
-    """Distill a student LM (e.g. an LSTM) from a trained teacher, in the teacher's vocabulary."""
-    _set_threads(threads)
-    from .distill import DistillConfig
-    from .distill import distill as run_distill
-    from .train import TrainConfig, remove_incomplete_run
+# Where distill's student options differ from train's: the rest are train's, as they are.
+_STUDENT = {
+    "preset": {"flags": ("--student-preset",), "default": "lstm-small", "help": "Student preset (lstm-small, ...)."},
+    "out": {"help": "Run directory for the student."},
+    "overrides": {"help": "Student config override key=value, repeatable."},
+    "lr": {"help": "Peak learning rate [default: 2e-3]."},
+    "warmup_steps": {"default": 200},
+    "batch_tokens": {"default": 4096, "help": "Padded tokens per batch."},
+}
+# distill's options (fields of TrainConfig and DistillConfig), in the order its help lists them
+_DISTILL_OPTIONS = ("teacher", "preset", "train", "valid", "out", "lam", "temperature", "top_k", "sampled",
+                    "teacher_cache", "max_minutes", "clock", "max_steps", "lr", "warmup_steps", "batch_tokens",
+                    "valid_every", "patience", "seed", "overrides", "device", "progress")
+_DISTILL_PARAMS = {**_options(TrainConfig, _STUDENT), **_options(DistillConfig)}
 
-    tc = TrainConfig(train=str(train), valid=str(valid), out=str(out), preset=student_preset,
-                     overrides=parse_overrides(set_), lr=lr, max_steps=max_steps, max_minutes=max_minutes,
-                     batch_tokens=batch_tokens, valid_every=valid_every, seed=seed, device=device, progress=not quiet,
-                     clock=clock, warmup_steps=warmup_steps, patience=patience)
-    dc = DistillConfig(teacher=str(teacher), lam=lam, temperature=temperature, top_k=top_k, sampled=sampled,
-                       teacher_cache=str(teacher_cache) if teacher_cache else None)
-    existed = out.exists()
-    try:
-        summary = run_distill(tc, dc)
-    except BaseException:
-        if not existed:
-            remove_incomplete_run(out)
-        raise
-    typer.echo(json.dumps(summary, indent=2))
+
+@app.command()
+@_signature(_DISTILL_PARAMS[name] for name in _DISTILL_OPTIONS)
+def distill(**options):
+    """Distill a student LM (e.g. an LSTM) from a trained teacher, in the teacher's vocabulary."""
+    _set_threads(options.pop("threads"))
+    from .distill import distill as run_distill
+
+    tc = _config(TrainConfig, options)
+    dc = _config(DistillConfig, options)
+    _train_into(Path(tc.out), lambda: run_distill(tc, dc))
 
 
 @app.command()

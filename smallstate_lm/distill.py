@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,51 +53,10 @@ from .evaluate import score_corpus
 from .files import atomic_write_text, read_sentences
 from .models import MODELS, get_preset
 from .state import length_mask, pad_batch
-from .train import TrainConfig, train
+from .train import train
+from .train_config import DistillConfig, TrainConfig
 
 CACHE_FORMAT = "smallstate-lm/teacher-cache/1"
-DEFAULT_CACHE_K = 64  # top-k used when a cache is asked for without --top-k or --sampled
-
-
-@dataclass
-class DistillConfig:
-    teacher: str  # run directory or checkpoint of the teacher
-    lam: float = 0.5  # weight of the KD term; 0 = plain training, 1 = teacher only
-    temperature: float = 1.0  # applied to both distributions; the KD term is scaled by its square
-    top_k: int | None = None  # teacher's k most probable tokens per position (renormalised)
-    sampled: int | None = None  # or N tokens sampled from the teacher per position (importance-weighted)
-    teacher_cache: str | None = None  # file of precomputed top-k / sampled targets (made when missing)
-    cache_batch_tokens: int = 4096  # padded tokens per teacher forward while making the cache
-
-    def validate(self) -> None:
-        if not 0.0 <= self.lam <= 1.0:
-            raise ConfigError(f"lambda must lie in [0, 1], got {self.lam}")
-        if not (self.temperature > 0.0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k is not None and self.sampled is not None:
-            raise ConfigError("give either --top-k or --sampled, not both")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top-k must be >= 1, got {self.top_k}")
-        if self.sampled is not None and self.sampled < 1:
-            raise ConfigError(f"sampled must be >= 1, got {self.sampled}")
-        if self.cache_batch_tokens < 1:
-            raise ConfigError(f"cache_batch_tokens must be >= 1, got {self.cache_batch_tokens}")
-
-    @property
-    def mode(self) -> str:
-        """'full', 'top_k' or 'sampled' (a cache without either means top-k 64)."""
-        if self.sampled is not None:
-            return "sampled"
-        if self.top_k is not None or self.teacher_cache is not None:
-            return "top_k"
-        return "full"
-
-    @property
-    def k(self) -> int:
-        """Targets per position in the top-k and sampled forms."""
-        if self.sampled is not None:
-            return self.sampled
-        return self.top_k if self.top_k is not None else DEFAULT_CACHE_K
 
 
 # ---- the loss --------------------------------------------------------------------
@@ -187,7 +145,7 @@ def make_loss_fn(dc: DistillConfig, teacher: nn.Module | None, cache: TeacherCac
     gen: list[torch.Generator] = []  # made on first use, on the batch's device
 
     def loss_fn(model: nn.Module, tokens: Tensor, lengths: Tensor, seq_ids: list[int]) -> tuple[Tensor, int]:
-        if not hasattr(model, "log_probs_all"):
+        if model.log_probs_all is None:
             raise ConfigError(f"student arch {model.cfg.arch!r} cannot give full distributions (log_probs_all)")
         B = tokens.shape[0]
         student_logp, _ = model.log_probs_all(tokens, model.initial_state(B, tokens.device), lengths)  # (B, T, V)
@@ -341,12 +299,12 @@ def distill(tc: TrainConfig, dc: DistillConfig) -> dict:
     device = pick_device(tc.device)
     teacher_lm = load_model(dc.teacher, device)
     teacher = teacher_lm.model
-    able = ", ".join(a for a, c in MODELS.items() if hasattr(c, "log_probs_all"))
-    if not hasattr(teacher, "log_probs_all"):
+    able = ", ".join(a for a, c in MODELS.items() if c.log_probs_all is not None)
+    if teacher.log_probs_all is None:
         raise ConfigError(f"teacher arch {teacher_lm.config.arch!r} cannot give full distributions; "
                           f"distillation needs one of the archs: {able}")
     student_cfg = get_preset(tc.preset).replace(**tc.overrides)
-    if not hasattr(MODELS[student_cfg.arch], "log_probs_all"):
+    if MODELS[student_cfg.arch].log_probs_all is None:
         raise ConfigError(f"student preset {tc.preset!r} (arch {student_cfg.arch}) cannot give full distributions; "
                           f"distillation needs one of the archs: {able}")
     teacher.eval().requires_grad_(False)

@@ -114,9 +114,9 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         "vocab_size": len(lm.vocab),
         "state_numel_per_position": numel,
         "state_bytes_per_position": numel * elem,
-        "state_numel_fixed": lm.model.state_numel_fixed() if hasattr(lm.model, "state_numel_fixed") else 0,
+        "state_numel_fixed": lm.model.state_numel_fixed(),
         "device": str(device),
         # model-specific facts, e.g. the learned attention spans per layer
-        "model_report": lm.model.report() if hasattr(lm.model, "report") else {},
+        "model_report": lm.model.report(),
         "interpolation": mix,
     }

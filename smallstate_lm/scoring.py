@@ -97,6 +97,41 @@ def lm_score(w: Weights, nn, ng):
     return w.lm_weight * nn + w.ngram_weight * ng
 
 
+# The score components of a hypothesis (or of a lattice arc), in the order of weight_vector.
+COMPONENTS = ("am", "graph", "neural", "ngram", "n_words", "n_oov")
+
+
+def weight_vector(w: Weights) -> np.ndarray:
+    """(6,) the log-linear weights in COMPONENTS order; a (K, 6) stack of them scores K weightings at once."""
+    return np.array([w.am_scale, w.graph_scale, w.lm_weight, w.ngram_weight, w.word_penalty, w.oov_penalty])
+
+
+def weighted_total(w: Weights, components: np.ndarray, linear_lm: np.ndarray | None = None) -> np.ndarray:
+    """The one weighted total (DESIGN §4), natural log, higher is better.
+
+    components: (N, 6) in COMPONENTS order (log-probs and scores, counts). With interpolation="linear"
+    `linear_lm` (N,) replaces the neural and n-gram columns: each row's sum over its tokens of
+    log(lam p_nn + (1 - lam) p_ng), which the caller computes because only it has the tokens.
+    """
+    if w.interpolation != "linear":
+        return components @ weight_vector(w)
+    if linear_lm is None:
+        raise ConfigError("linear interpolation needs both a neural LM (--lm) and an n-gram (--ngram)")
+    rest = components[:, [0, 1, 4, 5]] @ np.array([w.am_scale, w.graph_scale, w.word_penalty, w.oov_penalty])
+    return rest + w.lm_weight * linear_lm
+
+
+def oov_reference(vocab, ngram):
+    """What decides whether a word is out of vocabulary: the neural LM's vocabulary when there is
+    one, else the n-gram's (anything with `in`), else nothing (None)."""
+    return vocab if vocab is not None else ngram
+
+
+def count_oov(words: Sequence[str], known) -> int:
+    """Words of `words` outside `known` (see oov_reference); 0 when `known` is None."""
+    return 0 if known is None else sum(1 for w in words if w not in known)
+
+
 # ---------------------------------------------------------------------------------------
 # Neural scoring
 # ---------------------------------------------------------------------------------------
@@ -174,7 +209,7 @@ class NeuralScorer:
         self.group_tokens = group_tokens or 8 * batch_tokens
         # Tree attention (one pass per trie) where the model offers it; otherwise the
         # tries are walked level by level through the state contract.
-        self.use_tree = use_tree and hasattr(model, "score_tree")
+        self.use_tree = use_tree and model.score_tree is not None
         self.share_prefixes = share_prefixes
         self.tokens_total = 0
         self.tokens_computed = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -124,19 +124,71 @@ def _nbytes(v) -> int:
 
 @runtime_checkable
 class StatefulLM(Protocol):
-    """What every language model in the project provides."""
+    """What every language model in the project provides (DESIGN §3); every class in
+    `smallstate_lm.models.MODELS` satisfies it.
 
-    def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> LMState: ...
+    Required: `cfg`, `initial_state`, `score`, `step`, `state_numel_per_position`.
+    Optional capabilities are members too, never missing attributes: a model without
+    one holds None (or the neutral default: `state_numel_fixed() == 0`,
+    `report() == {}`), so callers test `model.score_tree is not None`, never hasattr.
+    `models.base.LanguageModel` carries those defaults. Scores are natural logs.
+    """
+
+    #: The model's `ModelConfig` (architecture, sizes, vocabulary size).
+    cfg: Any
+
+    #: Tree attention, or None: score_tree(tokens (B, N), parents (B, N), lengths (B,) | None)
+    #: -> (B, N) log p(node token | <s>, its ancestors) for every node of a prefix trie in
+    #: one pass; parents[b, i] < i is a node's parent in its row, -1 right after `<s>`;
+    #: 0 at padding. Equals `score` along each root-to-node path.
+    score_tree: Callable[..., Tensor] | None
+
+    #: Full distributions, or None: log_probs_all(tokens (B, T), state, lengths | None)
+    #: -> (logp (B, T, V), state after the tokens), logp[b, t] = log p(. | history,
+    #: tokens[b, :t]); 0 at padding. What distillation needs of a teacher and a student.
+    log_probs_all: Callable[..., tuple[Tensor, LMState]] | None
+
+    #: Most history positions a state keeps after any call: None = unbounded (the state
+    #: grows with the history), 0 = a fixed-size state. Stream training needs it bounded.
+    max_history: int | None
+
+    #: Training regulariser, or None: aux_loss() -> scalar tensor added to the
+    #: per-token loss (e.g. the adaptive-span penalty).
+    aux_loss: Callable[[], Tensor] | None
+
+    #: Hook, or None: after_step() runs after every optimizer step (e.g. clamps
+    #: parameters back into their range).
+    after_step: Callable[[], None] | None
+
+    def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> LMState:
+        """The state after `<s>` for `batch_size` rows, on `device` (default: the model's)."""
+        ...
 
     def score(
         self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, LMState]: ...
+    ) -> tuple[Tensor, LMState]:
+        """tokens (B, T) -> (logp (B, T), state after each row's first lengths[b] tokens);
+        logp[b, t] = log p(tokens[b, t] | history, tokens[b, :t]), 0 at padding."""
+        ...
 
     def step(
         self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, LMState]: ...
+    ) -> tuple[Tensor, LMState]:
+        """tokens (B, T), T >= 0 -> (log p(. | history, tokens) (B, V), the state `score`
+        would return)."""
+        ...
 
-    def state_numel_per_position(self) -> int: ...
+    def state_numel_per_position(self) -> int:
+        """Numbers the state holds per row and history position (what grows)."""
+        ...
+
+    def state_numel_fixed(self) -> int:
+        """Numbers per row that do not grow with the history (0: none)."""
+        ...
+
+    def report(self) -> dict:
+        """Learned facts worth printing after training or `eval` ({}: none)."""
+        ...
 
 
 def check_tokens(tokens: Tensor, state: LMState, vocab_size: int, lengths: Tensor | None) -> Tensor | None:

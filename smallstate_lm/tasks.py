@@ -310,8 +310,6 @@ def run_task(tc: TaskConfig) -> dict:
     final check counts as a curriculum check: when it is perfect, `final_length` is
     solved too. `evals` lists every check as [step, length, accuracy].
     """
-    from tqdm import tqdm
-
     from .device import pick_device
     from .models import count_parameters
 
@@ -320,81 +318,92 @@ def run_task(tc: TaskConfig) -> dict:
     vocab = task.vocabulary()
     device = pick_device(tc.device)
     model = build_task_model(tc, task).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tc.lr, betas=(0.9, 0.98))
-    train_rng = random.Random(tc.seed)
     # A separate stream for held-out batches: what decides growth is never trained on
     # (up to chance repeats, which only the shortest lengths of the bit tasks make likely).
-    eval_rng = random.Random(f"held-out/{tc.seed}")
-
+    held_out = _HeldOut(model, task, vocab, random.Random(f"held-out/{tc.seed}"), device, tc.eval_batch)
     cur = Curriculum(tc.start_length, tc.max_length)
-    step, evals = 0, []
-    last_acc, loss_v = 0.0, float("nan")
-    stop_reason = "steps"
-    t0 = time.perf_counter()
-    bar = tqdm(total=tc.steps, disable=not tc.progress, unit="step", dynamic_ncols=True,
-               desc=f"{tc.task} {tc.preset}")
-    model.train()
-    while not cur.finished:
-        if tc.steps is not None and step >= tc.steps:
-            stop_reason = "steps"
-            break
-        if tc.minutes is not None and time.perf_counter() - t0 >= tc.minutes * 60:
-            stop_reason = "minutes"
-            break
-        n = cur.length
-        sizes = [train_rng.randint(1, n) if train_rng.random() < tc.shorter else n for _ in range(tc.batch)]
-        batch = make_batch(task, vocab, train_rng, sizes, device)
-        for g in opt.param_groups:
-            g["lr"] = tc.lr * min(1.0, (step + 1) / tc.warmup_steps)
-        loss = output_loss(model, batch)
-        if hasattr(model, "aux_loss"):
-            loss = loss + model.aux_loss()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), tc.clip)
-        opt.step()
-        if hasattr(model, "after_step"):
-            model.after_step()
-        step += 1
-        loss_v = loss.item()
-        if not math.isfinite(loss_v):
-            raise ConfigError(f"training diverged at step {step} (loss {loss_v}); lower --lr")
-        bar.update(1)
-        if step % tc.eval_every == 0:
-            # A solved length is followed at once by a check of the next one.
-            while not cur.finished:
-                n = cur.length
-                last_acc, _ = evaluate(model, task, vocab, eval_rng, n, tc.eval_batch, device, tc.eval_batch)
-                evals.append([step, n, round(last_acc, 4)])
-                if not cur.record(last_acc, step, time.perf_counter() - t0):
-                    break
-            bar.set_postfix(length=cur.length, solved=cur.solved, loss=f"{loss_v:.3f}", acc=f"{last_acc:.2f}")
-    if cur.finished:
-        stop_reason = "solved"
-    bar.close()
-    seconds = time.perf_counter() - t0
+    step, loss_v, stop_reason = _train_on_curriculum(tc, held_out, cur)
+    seconds = time.perf_counter() - held_out.t0
     final_length = cur.length
-    final_acc, final_sym = evaluate(model, task, vocab, eval_rng, final_length, tc.final_examples, device,
+    final_acc, final_sym = evaluate(model, task, vocab, held_out.rng, final_length, tc.final_examples, device,
                                     tc.eval_batch)
     # The final check is a held-out batch too (a larger one): when it is entirely right,
     # the length counts as solved even if the budget ran out before a scheduled check.
     if not cur.finished:
-        evals.append([step, final_length, round(final_acc, 4)])
+        held_out.evals.append([step, final_length, round(final_acc, 4)])
         cur.record(final_acc, step, seconds)
     return {
-        "task": tc.task, "model": tc.preset, "arch": model.cfg.name if hasattr(model, "cfg") else tc.preset,
+        "task": tc.task, "model": tc.preset, "arch": model.cfg.name,
         "overrides": tc.overrides, "parameters": count_parameters(model),
         "solved_length": cur.solved, "final_length": final_length, "final_accuracy": round(final_acc, 4),
         "final_symbol_accuracy": round(final_sym, 4), "steps": step, "seconds": round(seconds, 2),
         "stop_reason": stop_reason, "final_loss": round(loss_v, 4) if math.isfinite(loss_v) else None,
         "start_length": tc.start_length, "max_length": tc.max_length, "budget_minutes": tc.minutes,
         "budget_steps": tc.steps, "batch": tc.batch, "seed": tc.seed, "lr": tc.lr, "solved_at": cur.history,
-        "evals": evals,
+        "evals": held_out.evals,
     }
+
+
+@dataclass
+class _HeldOut:
+    """The curriculum checks of a run: fresh held-out batches from their own random
+    stream, every check listed in `evals` as [step, length, accuracy]."""
+
+    model: nn.Module
+    task: Task
+    vocab: Vocabulary
+    rng: random.Random
+    device: torch.device
+    batch: int
+    t0: float = field(default_factory=time.perf_counter)  # the run's start
+    evals: list[list] = field(default_factory=list)
+
+    def grow(self, cur: Curriculum, step: int) -> float:
+        """Check the current length, and as long as it is solved the next one (a model that
+        already generalises climbs without extra training); returns the last accuracy."""
+        acc = 0.0
+        while not cur.finished:
+            n = cur.length
+            acc, _ = evaluate(self.model, self.task, self.vocab, self.rng, n, self.batch, self.device, self.batch)
+            self.evals.append([step, n, round(acc, 4)])
+            if not cur.record(acc, step, time.perf_counter() - self.t0):
+                break
+        return acc
+
+
+def _train_on_curriculum(tc: TaskConfig, held_out: _HeldOut, cur: Curriculum) -> tuple[int, float, str]:
+    """The training loop (the trainer's update step, constant rate after warmup) with a
+    curriculum check every `eval_every` steps; returns (steps, last loss, why it stopped)."""
+    from tqdm import tqdm
+
+    from .train import adamw, check_finite, train_step, warmup
+
+    model, task, vocab, device = held_out.model, held_out.task, held_out.vocab, held_out.device
+    opt = adamw(model, tc.lr, weight_decay=0.01)
+    rng = random.Random(tc.seed)
+    step, loss_v = 0, float("nan")
+    bar = tqdm(total=tc.steps, disable=not tc.progress, unit="step", dynamic_ncols=True,
+               desc=f"{tc.task} {tc.preset}")
+    model.train()
+    try:
+        while not cur.finished:
+            if tc.steps is not None and step >= tc.steps:
+                return step, loss_v, "steps"
+            if tc.minutes is not None and time.perf_counter() - held_out.t0 >= tc.minutes * 60:
+                return step, loss_v, "minutes"
+            n = cur.length
+            sizes = [rng.randint(1, n) if rng.random() < tc.shorter else n for _ in range(tc.batch)]
+            batch = make_batch(task, vocab, rng, sizes, device)
+            loss = train_step(model, opt, output_loss(model, batch), tc.lr * warmup(step, tc.warmup_steps), tc.clip)
+            step += 1
+            loss_v = check_finite(loss.item(), step)
+            bar.update(1)
+            if step % tc.eval_every == 0:
+                acc = held_out.grow(cur, step)
+                bar.set_postfix(length=cur.length, solved=cur.solved, loss=f"{loss_v:.3f}", acc=f"{acc:.2f}")
+        return step, loss_v, "solved"
+    finally:
+        bar.close()
 
 
 def format_summary(r: dict) -> str:

@@ -198,3 +198,19 @@ def test_cli_teacher_without_a_model_is_one_line_exit_2(short_corpus, tmp_path):
 def test_top_k_and_sampled_together_are_refused():
     with pytest.raises(ConfigError, match="not both"):
         DistillConfig(teacher="-", top_k=4, sampled=4).validate()
+
+
+def test_cli_distill_gives_the_student_its_own_defaults(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import smallstate_lm.distill as distill_module
+    from smallstate_lm.cli import app
+
+    seen = []
+    monkeypatch.setattr(distill_module, "distill", lambda tc, dc: seen.append((tc, dc)) or {})
+    r = CliRunner().invoke(app, ["distill", "--teacher", "t", "--train", "a.txt", "--valid", "b.txt",
+                                 "-o", str(tmp_path / "s"), "--lambda", "0.25"])
+    assert r.exit_code == 0, r.output
+    tc, dc = seen[0]
+    assert (tc.preset, tc.warmup_steps, tc.batch_tokens, tc.max_epochs) == ("lstm-small", 200, 4096, 20)
+    assert dc.lam == 0.25 and dc.teacher == "t" and dc.top_k is None

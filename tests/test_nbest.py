@@ -9,7 +9,8 @@ from conftest import TEST_DATA
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.errors import ConfigError, SmallstateError, VocabularyError
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.nbest import (
+from smallstate_lm.rescoring.nbest import apply_weights, compute_components
+from smallstate_lm.rescoring.nbest_io import (
     Hypothesis,
     NBestFormatError,
     Utterance,
@@ -18,7 +19,6 @@ from smallstate_lm.rescoring.nbest import (
     read_text,
     write_nbest_jsonl,
 )
-from smallstate_lm.rescoring.rescore import apply_weights, compute_components
 from smallstate_lm.rescoring.wer import align_counts
 from smallstate_lm.scoring import NeuralScorer, Weights
 
@@ -131,7 +131,7 @@ def test_linear_interpolation_mixes_probabilities_per_word(tiny_lm_dir, kenlm_mo
     lm = load_model(tiny_lm_dir)
     comps, _ = compute_components(utts[:2], NeuralScorer(lm.model, lm.vocab), NgramLM(kenlm_model), progress=False)
     c = comps[0]
-    from smallstate_lm.rescoring.rescore import linear_lm
+    from smallstate_lm.rescoring.nbest import linear_lm
 
     assert np.allclose(linear_lm(c, 1.0), c.neural) and np.allclose(linear_lm(c, 0.0), c.ngram)
     mid = linear_lm(c, 0.3)

@@ -5,7 +5,7 @@ import torch
 
 from smallstate_lm.errors import ConfigError
 from smallstate_lm.models import build_model, get_preset
-from smallstate_lm.models.transformer import apply_rotary, rotary_tables
+from smallstate_lm.models.base import apply_rotary, rotary_tables
 
 
 def test_rotary_scores_depend_on_the_distance_only():

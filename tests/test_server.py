@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 from conftest import REPO, TEST_DATA, run_cli
 
-from smallstate_lm.rescoring.lattice import SymbolTable, lattice_to_text, read_fst
-from smallstate_lm.rescoring.nbest import read_nbest
+from smallstate_lm.rescoring.lattice import SymbolTable
+from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
+from smallstate_lm.rescoring.nbest_io import read_nbest
 from smallstate_lm.rescoring.wer import align_counts
 
 LAT_DIR = TEST_DATA / "lattices"
@@ -398,8 +399,8 @@ def _metric(text: str, name: str, **labels) -> float:
 def test_64_concurrent_clients(server, tiny_lm_dir, kenlm_model):
     from smallstate_lm.checkpoint import load_model
     from smallstate_lm.ngram import NgramLM
-    from smallstate_lm.rescoring.nbest import Hypothesis, Utterance
-    from smallstate_lm.rescoring.rescore import apply_weights, compute_components
+    from smallstate_lm.rescoring.nbest import apply_weights, compute_components
+    from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
     from smallstate_lm.scoring import NeuralScorer, Weights
 
     base = read_nbest(TEST_DATA / "nbest.tsv")
@@ -449,8 +450,7 @@ def test_64_concurrent_clients(server, tiny_lm_dir, kenlm_model):
 def test_in_process_app_counts_arrivals(tiny_lm_dir, kenlm_model):
     """The app without uvicorn: lifespan, mixed good and bad requests; afterwards no request
     is counted as on its way in (the batcher would wait for it) and the queue is empty."""
-    from server.app import create_app
-    from server.settings import Settings
+    from smallstate_lm.service import Settings, create_app
 
     app = create_app(Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), threads=1, max_wait_ms=50))
     svc = app.state.service

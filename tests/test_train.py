@@ -164,3 +164,26 @@ def test_a_token_budget_stops_training_and_spans_the_schedule(small_corpus, tmp_
     assert valids[0]["tokens"] - 2500 < max(r["tokens"] for r in steps)
     for r in valids:
         assert r["eval_ppl"] == pytest.approx(r["valid_ppl"], rel=1e-6)  # eval_text is the valid text here
+
+
+def test_cli_options_come_from_the_config_fields_and_reach_the_config(monkeypatch, tmp_path):
+    import dataclasses
+
+    import typer.main
+    from typer.testing import CliRunner
+
+    import smallstate_lm.train as train_module
+    from smallstate_lm.cli import app
+
+    params = {p.name for p in typer.main.get_command(app).commands["train"].params}
+    offered = {f.metadata["cli"]["negated"] or f.name for f in dataclasses.fields(TrainConfig) if "cli" in f.metadata}
+    assert params == offered | {"threads"} and "weight_decay" not in params
+    seen = []
+    monkeypatch.setattr(train_module, "train", lambda tc, loss_fn=None: seen.append(tc) or {})
+    r = CliRunner().invoke(app, ["train", "--train", "a.txt", "--valid", "b.txt", "-o", str(tmp_path / "run"),
+                                 "--set", "d_model=32", "--valid-at-tokens", "10", "--valid-at-tokens", "20",
+                                 "--eval-text", "e.txt", "--quiet"])
+    assert r.exit_code == 0, r.output
+    tc = seen[0]
+    assert tc.overrides == {"d_model": 32} and tc.valid_at_tokens == [10, 20] and tc.eval_text == "e.txt"
+    assert not tc.progress and tc.preset == "tiny" and tc.weight_decay == 0.01

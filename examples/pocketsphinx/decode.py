@@ -61,7 +61,8 @@ from pathlib import Path
 import numpy as np
 from audio16k import AudioError, load_16k_mono
 
-from smallstate_lm.rescoring.lattice import LatticeFormatError, SymbolTable, read_slf, write_fst
+from smallstate_lm.rescoring.lattice import LatticeFormatError, SymbolTable
+from smallstate_lm.rescoring.lattice_io import read_slf, write_fst
 from smallstate_lm.scoring import Weights
 
 CASE_MAPS = {"lower": str.lower, "upper": str.upper, "keep": lambda w: w}

@@ -31,11 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..state import LMState, append_right_aligned, cat_right_aligned, drop_empty_columns, length_mask
+from ..state import LMState, append_right_aligned, cat_right_aligned, drop_empty_columns
 from ..vocab import BOS_ID
+from .base import FeedForward, PendingTokenLM, SelfAttention, causal_mask, embed_tokens, init_weights, residual_add
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, input_embedding
-from .transformer import FeedForward, PendingTokenLM, SelfAttention, _init_weights, residual_add
 
 # Calls at least this long run the convolution as F.conv1d, which is the faster kernel
 # for long sequences on CPU; shorter ones (decoding steps, T = 1) as one matrix product
@@ -240,18 +239,15 @@ class ActiveMemoryLayer(nn.Module):
 
 
 class ActiveMemoryLM(PendingTokenLM):
+    """Active-memory LM (arch "active_memory"): see the module doc. Its state has a
+    fixed part (`state_numel_fixed`, the convolution windows)."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         cfg.validate()
         if cfg.arch != "active_memory":
             raise ConfigError(f"ActiveMemoryLM builds arch 'active_memory', got {cfg.arch!r}")
-        self.cfg = cfg
-        self.embed, self.embed_proj = input_embedding(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(ActiveMemoryLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.output = OutputLayer(cfg, self.embed)
-        self.apply(_init_weights)
+        super().__init__(cfg, ActiveMemoryLayer)
+        self.apply(init_weights)
         # persistent_conv: the k-1 vectors that precede the first input of every layer
         # (one parameter for the whole model), small so training starts near zero padding
         self.padding = nn.Parameter(torch.empty(cfg.conv_kernel - 1, cfg.d_model).normal_(0.0, 0.02)) \
@@ -277,23 +273,22 @@ class ActiveMemoryLM(PendingTokenLM):
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> ActiveMemoryState:
         """The state after `<s>`: windows holding the padding, no attention memory, `<s>`
         pending. No model compute."""
-        p = next(self.parameters())
-        device = p.device if device is None else torch.device(device)
+        dtype, device = self.state_placement(device)
         cfg = self.cfg
         shape = (batch_size, cfg.conv_kernel - 1, cfg.d_model)
         if self.padding is not None:
             windows = [self.padding.to(device)[None].expand(shape) for _ in self.layers]  # each (B, k-1, d)
         else:
-            windows = [torch.zeros(shape, dtype=p.dtype, device=device) for _ in self.layers]
+            windows = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         # r ⊙ u of a zero input is zero whatever r is
-        gated = [torch.zeros(shape, dtype=p.dtype, device=device) for _ in self.layers] \
+        gated = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers] \
             if cfg.mixer == "cgru" else None
         keys = values = None
         if cfg.mix_attention:
             H, Dh = cfg.n_heads, cfg.d_model // cfg.n_heads
             kv_shape = (batch_size, 0, H, Dh)
-            keys = [torch.empty(kv_shape, dtype=p.dtype, device=device) for _ in self.layers]
-            values = None if cfg.shared_kv else [torch.empty(kv_shape, dtype=p.dtype, device=device)
+            keys = [torch.empty(kv_shape, dtype=dtype, device=device) for _ in self.layers]
+            values = None if cfg.shared_kv else [torch.empty(kv_shape, dtype=dtype, device=device)
                                                  for _ in self.layers]
         return ActiveMemoryState(windows=windows, gated=gated, keys=keys, values=values,
                                  last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device))
@@ -306,10 +301,7 @@ class ActiveMemoryLM(PendingTokenLM):
         B, T = tokens.shape
         dev = tokens.device
         k1 = self.cfg.conv_kernel - 1
-        inputs = torch.cat([state.last[:, None], tokens], dim=1)  # (B, T+1)
-        if lengths is not None:
-            inputs = inputs.masked_fill(~length_mask(lengths + 1, T + 1), 0)
-        run = inputs if include_last else inputs[:, :T]
+        run = self.pending_inputs(tokens, state.last, lengths, include_last)  # (B, n_run)
         n_run = run.shape[1]
         # Row b's new window: the k-1 stream columns that end after its n_new[b] real
         # inputs (padding comes after them, so it never enters; the extra column of
@@ -318,8 +310,8 @@ class ActiveMemoryLM(PendingTokenLM):
         cols = (n_new[:, None] + torch.arange(k1, device=dev)[None, :])[:, :, None]  # (B, k-1, 1)
         cols = cols.expand(B, k1, self.cfg.d_model)  # (B, k-1, d)
 
-        mask, causal = self._attention_mask(state, n_run, dev) if self.cfg.mix_attention else (None, False)
         S = state.length
+        mask, causal = causal_mask(state.mask, S, n_run, dev) if self.cfg.mix_attention else (None, False)
 
         x = embed_tokens(self, run)
         x = self.drop(x)  # (B, n_run, d)
@@ -340,35 +332,11 @@ class ActiveMemoryLM(PendingTokenLM):
                                None if v is None else v[:, :, : S + T].transpose(1, 2)))
         h = self.norm(x)
 
-        if lengths is None:
-            new_last = tokens[:, -1] if T > 0 else state.last
-        else:
-            picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-            new_last = torch.where(lengths > 0, picked, state.last)
         new_state = ActiveMemoryState(windows=windows, gated=gated if state.gated is not None else None,
-                                      keys=None, values=None, last=new_last)
+                                      keys=None, values=None, last=self.next_pending(tokens, state.last, lengths))
         if state.keys is not None:
             new_state = self._extend_memory(new_state, state, new_kv, lengths)
         return h, new_state
-
-    @staticmethod
-    def _attention_mask(state: ActiveMemoryState, n_run: int, dev) -> tuple[Tensor | None, bool]:
-        """Boolean attention mask for n_run queries after the S cached positions (True =
-        may attend): causal among the new positions, padding of the cache excluded.
-        Returns (mask or None, is_causal)."""
-        S = state.length
-        if state.mask is not None:
-            key_valid = torch.cat([state.mask, torch.ones(state.mask.shape[0], n_run, dtype=torch.bool, device=dev)],
-                                  1)  # (B, S+n_run)
-            q_pos = torch.arange(n_run, device=dev)[:, None] + S  # (n_run, 1)
-            k_pos = torch.arange(S + n_run, device=dev)[None, :]  # (1, S+n_run)
-            return ((k_pos <= q_pos)[None] & key_valid[:, None, :])[:, None], False  # (B, 1, n_run, S+n_run)
-        if n_run == 1:
-            return None, False
-        if S == 0:
-            return None, True
-        q_pos = torch.arange(n_run, device=dev)[:, None] + S  # (n_run, 1)
-        return torch.arange(S + n_run, device=dev)[None, :] <= q_pos, False  # (n_run, S+n_run)
 
     @staticmethod
     def _extend_memory(new_state: ActiveMemoryState, state: ActiveMemoryState,

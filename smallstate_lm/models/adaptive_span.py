@@ -40,9 +40,8 @@ from ..state import (
     right_align,
 )
 from ..vocab import BOS_ID
+from .base import AttentionProjections, Block, PendingTokenLM, embed_tokens, extend, init_weights, split_heads
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, input_embedding
-from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 # ---- the span mask ---------------------------------------------------------------------
 
@@ -219,21 +218,15 @@ class CachedAttentionLM(PendingTokenLM):
     state_cls: type[SpanState] = SpanState
 
     def __init__(self, cfg: ModelConfig, make_layer: Callable[[ModelConfig], nn.Module], max_span: int | None):
-        super().__init__()
         cfg.validate()
         if cfg.shared_kv:
             raise ConfigError(f"arch {cfg.arch} stores separate keys and values; set shared_kv=False")
-        self.cfg = cfg
+        super().__init__(cfg, make_layer)
         self._max_span = max_span
         # False keeps the whole history in the state (results are identical, since
         # every weight beyond the cap is exactly zero; used to check that claim)
         self.trim_cache = True
-        self.embed, self.embed_proj = input_embedding(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(make_layer(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.output = OutputLayer(cfg, self.embed)
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     # ---- spans: hooks the trainer and `eval` call --------------------------------------
     def span_masks(self) -> list[AdaptiveSpanMask]:
@@ -276,12 +269,11 @@ class CachedAttentionLM(PendingTokenLM):
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> SpanState:
         """The state after `<s>`: nothing cached yet, `<s>` pending. No compute."""
-        p = next(self.parameters())
-        device = p.device if device is None else torch.device(device)
+        dtype, device = self.state_placement(device)
         shape = (batch_size, 0, self.cfg.d_model)
         return self.state_cls(
-            keys=[torch.empty(shape, dtype=p.dtype, device=device) for _ in self.layers],
-            values=[torch.empty(shape, dtype=p.dtype, device=device) for _ in self.layers],
+            keys=[torch.empty(shape, dtype=dtype, device=device) for _ in self.layers],
+            values=[torch.empty(shape, dtype=dtype, device=device) for _ in self.layers],
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
 
@@ -292,10 +284,7 @@ class CachedAttentionLM(PendingTokenLM):
         gains the T inputs that precede each new target, trimmed to `max_history`."""
         B, T = tokens.shape
         dev = tokens.device
-        inputs = torch.cat([state.last[:, None], tokens], dim=1)  # (B, T+1)
-        if lengths is not None:
-            inputs = inputs.masked_fill(~length_mask(lengths + 1, T + 1), 0)
-        run = inputs if include_last else inputs[:, :T]
+        run = self.pending_inputs(tokens, state.last, lengths, include_last)  # (B, n)
         S = state.length
         geo = Geometry.build(run.shape[1], S, state.mask, self._max_span, dev)
 
@@ -321,40 +310,20 @@ class CachedAttentionLM(PendingTokenLM):
         # a trimmed view would keep the whole untrimmed buffer alive
         tensors = [own_storage(t) for t in tensors]
 
-        if lengths is None:
-            new_last = tokens[:, -1] if T > 0 else state.last
-        else:
-            picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-            new_last = torch.where(lengths > 0, picked, state.last)
         L = len(self.layers)
-        return h, self.state_cls(keys=tensors[:L], values=tensors[L:], last=new_last, mask=mask)
+        last = self.next_pending(tokens, state.last, lengths)
+        return h, self.state_cls(keys=tensors[:L], values=tensors[L:], last=last, mask=mask)
 
 
 # ---- the adaptive-span model -------------------------------------------------------------
 
 
-def split_heads(t: Tensor, n_heads: int) -> Tensor:
-    """(B, S, d) -> (B, H, S, Dh)."""
-    B, S, d = t.shape
-    return t.view(B, S, n_heads, d // n_heads).transpose(1, 2)  # (B, H, S, Dh)
-
-
-def extend(past: Tensor, new: Tensor) -> Tensor:
-    """Append along time (dim 1); with nothing cached, keep `new` as is (no copy)."""
-    return new if past.shape[1] == 0 else torch.cat([past, new], 1)
-
-
-class SpanAttention(nn.Module):
+class SpanAttention(AttentionProjections):
     """Multi-head self-attention with relative position embeddings and a learned
     span per head."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.h = cfg.n_heads
-        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        super().__init__(cfg)
         self.bias = SpanBias(cfg)
         self.attn_drop = nn.Dropout(cfg.dropout)
 
@@ -377,22 +346,9 @@ class SpanAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, n, d)), k_all, v_all  # (B, n, d)
 
 
-class SpanLayer(nn.Module):
+def span_layer(cfg: ModelConfig) -> Block:
     """Pre-LayerNorm span attention followed by `ff_per_layer` feed-forward sublayers."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = SpanAttention(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.ffs = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.ff_per_layer))
-
-    def forward(self, x, past_k, past_v, geo):
-        a, k, v = self.attn(self.norm(x), past_k, past_v, geo)
-        x = residual_add(self.drop(a), x)
-        for ff in self.ffs:
-            x = ff(x)
-        return x, k, v
+    return Block(cfg, SpanAttention(cfg))
 
 
 class AdaptiveSpanLM(CachedAttentionLM):
@@ -407,4 +363,4 @@ class AdaptiveSpanLM(CachedAttentionLM):
         if cfg.arch != "adaptive_span":
             raise ConfigError(f"AdaptiveSpanLM builds arch 'adaptive_span', got {cfg.arch!r}")
         cfg.validate()
-        super().__init__(cfg, SpanLayer, max_span=cfg.span_max)
+        super().__init__(cfg, span_layer, max_span=cfg.span_max)

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .adaptive_span import CachedAttentionLM, Geometry, SpanBias, SpanState, extend, split_heads
+from .adaptive_span import CachedAttentionLM, Geometry, SpanBias, SpanState
+from .base import AttentionProjections, Block, extend, split_heads
 from .config import ModelConfig
-from .transformer import residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,18 +40,12 @@ class AllAttentionState(SpanState):
     token and the padding mask; see SpanState."""
 
 
-class AllAttention(nn.Module):
+class AllAttention(AttentionProjections):
     """Self-attention over context + persistent key/value slots, one joint softmax."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.h = cfg.n_heads
-        self.dh = cfg.d_model // cfg.n_heads
+        super().__init__(cfg)
         self.n_persistent = cfg.n_persistent
-        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         # k' ~ N(0, 1/Dh), v' ~ N(0, 1/N); used scaled by sqrt(Dh) and sqrt(N) (`persistent`)
         self.pk = nn.Parameter(torch.randn(cfg.n_heads, cfg.n_persistent, self.dh) / math.sqrt(self.dh))
         self.pv = nn.Parameter(torch.randn(cfg.n_heads, cfg.n_persistent, self.dh) / math.sqrt(cfg.n_persistent))
@@ -96,18 +90,10 @@ class AllAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, n, d)), k_all, v_all  # (B, n, d)
 
 
-class AllAttentionLayer(nn.Module):
-    """Pre-LayerNorm all-attention sublayer with a residual; no feed-forward."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = AllAttention(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x, past_k, past_v, geo):
-        a, k, v = self.attn(self.norm(x), past_k, past_v, geo)
-        return residual_add(self.drop(a), x), k, v
+def all_attention_layer(cfg: ModelConfig) -> Block:
+    """Pre-LayerNorm all-attention sublayer with a residual; no feed-forward
+    (`ff_per_layer` is 0)."""
+    return Block(cfg, AllAttention(cfg))
 
 
 class AllAttentionLM(CachedAttentionLM):
@@ -127,4 +113,4 @@ class AllAttentionLM(CachedAttentionLM):
         if cfg.ff_per_layer != 0:
             raise ConfigError(f"all_attention layers have no feed-forward sublayers; set ff_per_layer=0 "
                               f"(got {cfg.ff_per_layer})")
-        super().__init__(cfg, AllAttentionLayer, max_span=cfg.span_max or None)
+        super().__init__(cfg, all_attention_layer, max_span=cfg.span_max or None)

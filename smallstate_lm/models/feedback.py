@@ -51,9 +51,8 @@ from ..state import (
     right_align,
 )
 from ..vocab import BOS_ID
+from .base import FeedForward, PendingTokenLM, embed_tokens, init_weights, residual_add
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, input_embedding
-from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,24 +320,21 @@ class FeedbackLM(PendingTokenLM):
     layer weights of the memory)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         cfg.validate()
         if cfg.shared_kv:
             raise ConfigError("arch feedback stores separate keys and values; set shared_kv=False "
                               "(feedback_shared_kv=True already shares one K/V projection across layers)")
-        self.cfg = cfg
+        super().__init__(cfg, FeedbackLayer)
+        self.apply(init_weights)
+
+    def add_memory(self, cfg: ModelConfig) -> None:
+        """The memory's layer weights, LayerNorm and K/V projection."""
         self.groups = 1 if cfg.feedback_shared_kv else cfg.n_layers  # K/V projections of the memory
-        self.embed, self.embed_proj = input_embedding(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(FeedbackLayer(cfg) for _ in range(cfg.n_layers))
         # logits of the layer weights w (embedding output first); zeros = a plain average
         self.memory_logits = nn.Parameter(torch.zeros(cfg.n_layers + 1))
         self.memory_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         # group g's keys then values: output rows [2d·g, 2d·g + d) and [2d·g + d, 2d·(g+1))
         self.memory_kv = nn.Linear(cfg.d_model, 2 * self.groups * cfg.d_model, bias=cfg.bias)
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.output = OutputLayer(cfg, self.embed)
-        self.apply(_init_weights)
 
     @property
     def max_history(self) -> int | None:
@@ -359,12 +355,11 @@ class FeedbackLM(PendingTokenLM):
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> FeedbackState:
         """The state after `<s>`: an empty memory, `<s>` pending. No compute."""
-        p = next(self.parameters())
-        device = p.device if device is None else torch.device(device)
+        dtype, device = self.state_placement(device)
         shape = (batch_size, 0, self.groups, self.cfg.d_model)
         return FeedbackState(
-            keys=torch.empty(shape, dtype=p.dtype, device=device),
-            values=torch.empty(shape, dtype=p.dtype, device=device),
+            keys=torch.empty(shape, dtype=dtype, device=device),
+            values=torch.empty(shape, dtype=dtype, device=device),
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
 
@@ -378,10 +373,7 @@ class FeedbackLM(PendingTokenLM):
         G, H, d = self.groups, cfg.n_heads, cfg.d_model
         Dh = d // H
         dev = tokens.device
-        inputs = torch.cat([state.last[:, None], tokens], dim=1)  # (B, T+1)
-        if lengths is not None:
-            inputs = inputs.masked_fill(~length_mask(lengths + 1, T + 1), 0)
-        run = inputs if include_last else inputs[:, :T]
+        run = self.pending_inputs(tokens, state.last, lengths, include_last)  # (B, n_run)
         n_run = run.shape[1]
 
         x0 = embed_tokens(self, run)
@@ -437,18 +429,22 @@ class FeedbackLM(PendingTokenLM):
                 kv = memory_kv(self.memory_norm(m)).view(B, G, 2, H, Dh)  # (B, G, 2, H, Dh)
                 link = self._write(tape, kv.permute(1, 2, 0, 3, 4).unsqueeze(4), hi, link, grad_on)  # (G,2,B,H,1,Dh)
         h = self.norm(torch.stack(tops, 1))  # (B, n_run, d)
+        return h, self._new_state(tape, link, tokens, state, lengths)
 
+    def _new_state(self, tape: _Tape, link: Tensor | None, tokens: Tensor, state: FeedbackState,
+                   lengths: Tensor | None) -> FeedbackState:
+        """The memory written on `tape` as the next state: right-aligned, capped at mem_len."""
+        B, T = tokens.shape
+        S, W = state.length, self.cfg.mem_len
         if link is not None:
             keys, values = _Export.apply(link, tape)
         else:
             keys, values = _export(tape.buf)
+        ones = torch.ones(B, T if lengths is None else S, dtype=torch.bool, device=tokens.device)
         if lengths is None:
-            new_last = tokens[:, -1] if T > 0 else state.last
-            mask = None if state.mask is None else valid
+            mask = None if state.mask is None else torch.cat([state.mask, ones], 1)  # (B, N)
         else:
-            picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-            new_last = torch.where(lengths > 0, picked, state.last)
-            hist_valid = state.mask if state.mask is not None else torch.ones(B, S, dtype=torch.bool, device=dev)
+            hist_valid = state.mask if state.mask is not None else ones
             mask = torch.cat([hist_valid, length_mask(lengths, T)], 1)  # (B, N)
         tensors = [keys, values]
         if mask is not None:
@@ -458,9 +454,8 @@ class FeedbackLM(PendingTokenLM):
             tensors, mask = keep_last(tensors, mask, W)
         if mask is not None and bool(mask.all()):
             mask = None
-        new_state = FeedbackState(keys=own_storage(tensors[0]), values=own_storage(tensors[1]), last=new_last,
-                                  mask=mask)
-        return h, new_state
+        return FeedbackState(keys=own_storage(tensors[0]), values=own_storage(tensors[1]),
+                             last=self.next_pending(tokens, state.last, lengths), mask=mask)
 
     @staticmethod
     def _write(tape: _Tape, kv: Tensor, col: int, link: Tensor | None, grad_on: bool) -> Tensor | None:

@@ -21,9 +21,9 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ..state import LMState, check_tokens, length_mask
 from ..vocab import BOS_ID
+from .base import LanguageModel, embed_tokens, init_weights, input_embedding
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, input_embedding
-from .transformer import _init_weights
+from .output import OutputLayer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,10 @@ class LSTMState(LMState):
     memory_fields = ()
 
 
-class LSTMLM(nn.Module):
+class LSTMLM(LanguageModel):
+    """The LSTM LM (see the module doc): a fixed-size state (`state_numel_fixed`),
+    `log_probs_all` for distillation, no tree attention."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
@@ -51,7 +54,7 @@ class LSTMLM(nn.Module):
         self.output = OutputLayer(cfg, self.embed)
         # Linear and embedding weights as in the Transformer; the LSTM keeps PyTorch's
         # uniform(+-1/sqrt(d)) initialisation, which suits its gates.
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     # The state keeps no history positions at all, so stream training may carry it.
     max_history = 0

@@ -5,8 +5,6 @@ all rows at once outside training.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -16,26 +14,6 @@ from .config import ModelConfig
 # Logits computed at once when scoring without gradients: 2^22 floats (16 MB), small
 # enough that the passes over them stay close to the cache.
 LOGIT_BUDGET = 1 << 22
-
-
-def input_embedding(cfg: ModelConfig) -> tuple[nn.Embedding, nn.Linear | None]:
-    """The token embedding (embed_dim wide, tied to the output layer when configured) and
-    its projection to d_model, None when the two widths agree."""
-    embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
-    proj = nn.Linear(cfg.embed_dim, cfg.d_model, bias=False) if cfg.embed_dim != cfg.d_model else None
-    if proj is not None and cfg.embed_scale:
-        # Norm-preserving start (read by the models' weight init): the 0.02 of every other
-        # matrix would shrink the scaled embeddings again by 0.02 * sqrt(embed_dim).
-        proj.init_std = cfg.embed_dim ** -0.5
-    return embed, proj
-
-
-def embed_tokens(model: nn.Module, tokens: Tensor) -> Tensor:
-    """(B, T) ids -> (B, T, d_model) through `model.embed` and `model.embed_proj`, before dropout."""
-    x = model.embed(tokens)
-    if model.cfg.embed_scale:
-        x = x * math.sqrt(model.cfg.embed_dim)
-    return x if model.embed_proj is None else model.embed_proj(x)
 
 
 class OutputLayer(nn.Module):

@@ -20,12 +20,12 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..state import LMState, check_tokens, length_mask
+from ..state import LMState, length_mask
 from ..vocab import BOS_ID
+from .base import Block, PendingTokenLM, SelfAttention, causal_mask, embed_tokens, init_weights, rotary_tables
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, input_embedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,177 +127,19 @@ class TransformerState(LMState):
                                 mask=None if bool(new_mask.all()) else new_mask)
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.h = cfg.n_heads
-        self.dh = cfg.d_model // cfg.n_heads
-        self.shared_kv = cfg.shared_kv
-        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.v = None if cfg.shared_kv else nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.dropout = cfg.dropout
-
-    def forward(
-        self, x: Tensor, past_k: Tensor, past_v: Tensor | None, mask: Tensor | None, causal: bool,
-        rope: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """x (B, T, d); past_k/v (B, H, S, Dh); rope: optional (cos, sin), each
-        (B, 1, T, Dh), for the new positions. Returns output (B, T, d) and the
-        extended keys/values (B, H, S+T, Dh)."""
-        B, T, d = x.shape
-        q = self.q(x).view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
-        k_new = self.k(x).view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
-        if rope is not None:
-            q, k_new = apply_rotary(q, *rope), apply_rotary(k_new, *rope)
-        k = _extend(past_k, k_new)  # (B, H, S+T, Dh)
-        if self.shared_kv:
-            v, new_v = k, None
-        else:
-            v = _extend(past_v, self.v(x).view(B, T, self.h, self.dh).transpose(1, 2))  # (B, H, S+T, Dh)
-            new_v = v
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, H, T, Dh)
-        return self.o(y.transpose(1, 2).reshape(B, T, d)), k, new_v
-
-
-def residual_add(y: Tensor, x: Tensor) -> Tensor:
-    """x + y, in place on y (a fresh sublayer output, saving an allocation) when the dtypes
-    agree. Under bf16 autocast y is bf16 while the residual stream x is float32: adding in
-    place would demote the stream to bf16 for every later layer."""
-    return y.add_(x) if y.dtype == x.dtype else x + y
-
-
-def rotary_tables(positions: Tensor, dh: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """positions (B, T) integer -> (cos, sin), each (B, 1, T, dh) float32, for `apply_rotary`."""
-    inv_freq = base ** (-torch.arange(0, dh, 2, device=positions.device, dtype=torch.float32) / dh)  # (dh/2,)
-    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # (B, 1, T, dh/2)
-    angles = torch.cat([angles, angles], -1)  # (B, 1, T, dh)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the two halves of x (B, H, T, dh) pairwise by the angles of (cos, sin)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)  # (B, H, T, dh)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def _extend(past: Tensor, new: Tensor) -> Tensor:
-    """Append along time; with nothing cached, keep `new` as is (no copy)."""
-    return new if past.shape[2] == 0 else torch.cat([past, new], dim=2)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # In place on fresh outputs: saves two (B, T, d_ff)-sized allocations per sublayer.
-        h = self.drop(F.relu(self.fc1(self.norm(x)), inplace=True))
-        return residual_add(self.drop(self.fc2(h)), x)
-
-
-class Layer(nn.Module):
-    """One attention sublayer followed by F feed-forward sublayers."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = SelfAttention(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.ffs = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.ff_per_layer))
-
-    def forward(self, x, past_k, past_v, mask, causal, rope=None):
-        a, k, v = self.attn(self.norm(x), past_k, past_v, mask, causal, rope)
-        x = residual_add(self.drop(a), x)
-        for ff in self.ffs:
-            x = ff(x)
-        return x, k, v
-
-
-class PendingTokenLM(nn.Module):
-    """`score`, `step` and `log_probs_all` for models built on the pending-token design:
-    the state holds the history already run plus the last token, not yet run. A
-    subclass provides `cfg`, `output` (an OutputLayer) and
-    `_run(tokens, state, lengths, include_last) -> (hidden (B, T or T+1, d), new state)`,
-    which runs the pending token and tokens[:, :-1] (plus tokens[:, -1] when
-    include_last) and returns the state after each row's real tokens.
-    """
-
-    def score(
-        self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, LMState]:
-        """Target log-probs of `tokens` given the history in `state`.
-
-        tokens: (B, T) LongTensor. lengths: optional (B,) — row b holds
-        lengths[b] real tokens followed by padding (any id); padded positions get
-        log-prob 0 and do not enter the returned state. Returns logp (B, T), natural
-        log, logp[b, t] = log p(tokens[b, t] | <s>, history, tokens[b, :t]); and the
-        state after each row's real tokens. End a sentence with `</s>` to score it
-        whole. Only target log-probs are computed (chunked; no (B, T, V) tensor).
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return tokens.new_zeros((B, 0), dtype=torch.float32), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.target_logprob(h.reshape(B * T, -1), tokens.reshape(B * T)).view(B, T)  # (B, T)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T), 0.0)
-        return logp, new_state
-
-    def step(
-        self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, LMState]:
-        """Consume `tokens` (B, T), T >= 0, and return the (B, V) natural-log
-        distribution of the token after each row's last real token, plus the state
-        after the tokens (the same state `score` would return)."""
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        h, new_state = self._run(tokens, state, lengths, include_last=True)
-        B, T1 = h.shape[0], h.shape[1]
-        idx = (lengths if lengths is not None else torch.full((B,), T1 - 1, device=h.device))  # (B,)
-        h_last = h[torch.arange(B, device=h.device), idx]  # (B, d)
-        return self.output.log_probs(h_last), new_state
-
-    def log_probs_all(
-        self, tokens: Tensor, state: LMState, lengths: Tensor | None = None
-    ) -> tuple[Tensor, LMState]:
-        """The whole next-token distribution at every position (distillation).
-
-        tokens: (B, T); lengths: optional (B,) as in `score`. Returns logp (B, T, V),
-        natural log, logp[b, t] = log p(. | <s>, history, tokens[b, :t]) (so
-        logp[b, t, tokens[b, t]] is `score`'s value; 0 at padded positions), and the
-        state after each row's real tokens.
-        """
-        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
-        B, T = tokens.shape
-        if T == 0:
-            return torch.zeros(B, 0, self.cfg.vocab_size, device=tokens.device), state
-        h, new_state = self._run(tokens, state, lengths, include_last=False)
-        logp = self.output.log_probs(h.reshape(B * T, -1)).view(B, T, -1)  # (B, T, V)
-        if lengths is not None:
-            logp = logp.masked_fill(~length_mask(lengths, T)[:, :, None], 0.0)
-        return logp, new_state
+def make_layer(cfg: ModelConfig) -> Block:
+    """One self-attention sublayer followed by `ff_per_layer` feed-forward sublayers."""
+    return Block(cfg, SelfAttention(cfg))
 
 
 class TransformerLM(PendingTokenLM):
+    """The small-state Transformer (see the module doc); the only family with tree
+    attention (`score_tree`)."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         cfg.validate()
-        self.cfg = cfg
-        self.embed, self.embed_proj = input_embedding(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.output = OutputLayer(cfg, self.embed)
-        self.apply(_init_weights)
+        super().__init__(cfg, make_layer)
+        self.apply(init_weights)
 
     # ---- the state contract ----------------------------------------------------------
     def state_numel_per_position(self) -> int:
@@ -305,13 +147,12 @@ class TransformerLM(PendingTokenLM):
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> TransformerState:
         """The state after `<s>`: nothing cached yet, `<s>` pending. No compute."""
-        p = next(self.parameters())
-        device = p.device if device is None else torch.device(device)
+        dtype, device = self.state_placement(device)
         H, Dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
         shape = (batch_size, H, 0, Dh)
         return TransformerState(
-            keys=[torch.empty(shape, dtype=p.dtype, device=device) for _ in self.layers],
-            values=None if self.cfg.shared_kv else [torch.empty(shape, dtype=p.dtype, device=device)
+            keys=[torch.empty(shape, dtype=dtype, device=device) for _ in self.layers],
+            values=None if self.cfg.shared_kv else [torch.empty(shape, dtype=dtype, device=device)
                                                     for _ in self.layers],
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
@@ -371,10 +212,7 @@ class TransformerLM(PendingTokenLM):
         include_last) through the model; returns hidden (B, T or T+1, d) and the new
         state, whose cache holds only the T inputs that precede each new target."""
         B, T = tokens.shape
-        inputs = torch.cat([state.last[:, None], tokens], dim=1)  # (B, T+1)
-        if lengths is not None:
-            inputs = inputs.masked_fill(~length_mask(lengths + 1, T + 1), 0)
-        run = inputs if include_last else inputs[:, :T]
+        run = self.pending_inputs(tokens, state.last, lengths, include_last)  # (B, n_run)
         n_run = run.shape[1]
         # Row b's inputs are valid up to lengths[b] (exclusive); the extra last column
         # of `step` is only read out, never cached.
@@ -382,20 +220,7 @@ class TransformerLM(PendingTokenLM):
         valid_new = length_mask(lengths, n_cache) if lengths is not None else None  # (B, T)
 
         S = state.length
-        mask, causal = None, False
-        hist_valid = state.mask
-        if hist_valid is not None and not bool(hist_valid.all()):
-            key_valid = torch.cat([hist_valid, torch.ones(B, n_run, dtype=torch.bool, device=tokens.device)], 1)
-            q_pos = torch.arange(n_run, device=tokens.device)[:, None] + S  # (n_run, 1)
-            k_pos = torch.arange(S + n_run, device=tokens.device)[None, :]  # (1, S+n_run)
-            mask = (k_pos <= q_pos)[None] & key_valid[:, None, :]  # (B, n_run, S+n_run)
-            mask = mask[:, None]  # (B, 1, n_run, S+n_run)
-        elif n_run > 1:
-            if S == 0:
-                causal = True
-            else:
-                q_pos = torch.arange(n_run, device=tokens.device)[:, None] + S
-                mask = torch.arange(S + n_run, device=tokens.device)[None, :] <= q_pos  # (n_run, S+n_run)
+        mask, causal = causal_mask(state.mask, S, n_run, tokens.device)
 
         x = embed_tokens(self, run)
         x = self.drop(x)  # (B, n_run, d)
@@ -415,24 +240,12 @@ class TransformerLM(PendingTokenLM):
         h = self.norm(x)
 
         if lengths is None:
-            new_last = tokens[:, -1] if T > 0 else state.last
             new_mask = None if state.mask is None else torch.cat(
                 [state.mask, torch.ones(B, n_cache, dtype=torch.bool, device=tokens.device)], 1)
         else:
-            picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-            new_last = torch.where(lengths > 0, picked, state.last)
             hist = state.mask if state.mask is not None else torch.ones(B, S, dtype=torch.bool, device=tokens.device)
             new_mask = torch.cat([hist, valid_new], 1)
-        new_state = TransformerState(
-            keys=keys, values=None if state.values is None else values, last=new_last, mask=new_mask
-        )
+        new_state = TransformerState(keys=keys, values=None if state.values is None else values,
+                                     last=self.next_pending(tokens, state.last, lengths), mask=new_mask)
         return h, new_state
 
-
-def _init_weights(m: nn.Module) -> None:
-    if isinstance(m, nn.Linear):
-        nn.init.normal_(m.weight, 0.0, getattr(m, "init_std", 0.02))
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.Embedding):
-        nn.init.normal_(m.weight, 0.0, 0.02)

@@ -36,12 +36,10 @@ from ..state import (
     cat_right_aligned,
     drop_empty_columns,
     keep_last,
-    length_mask,
 )
 from ..vocab import BOS_ID
+from .base import Block, PendingTokenLM, embed_tokens, init_weights
 from .config import ModelConfig
-from .output import OutputLayer, embed_tokens, input_embedding
-from .transformer import FeedForward, PendingTokenLM, _init_weights, residual_add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,26 +143,19 @@ class RelativeAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, d))  # (B, T, d)
 
 
-class Layer(nn.Module):
+class Layer(Block):
     """One relative attention sublayer over memory + current positions, followed by F
     feed-forward sublayers (pre-LayerNorm, residual)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attn = RelativeAttention(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.ffs = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.ff_per_layer))
+        super().__init__(cfg, RelativeAttention(cfg))
 
     def forward(self, x: Tensor, mem: Tensor, pos: Tensor, allowed: Tensor, u: Tensor, v: Tensor) -> Tensor:
         """x: (B, T, d) inputs of the current positions; mem: (B, S, d) inputs of the
         memory positions. Returns (B, T, d)."""
         T = x.shape[1]
         h = self.norm(x if mem.shape[1] == 0 else torch.cat([mem, x], 1))  # (B, S+T, d)
-        x = residual_add(self.drop(self.attn(h, T, pos, allowed, u, v)), x)
-        for ff in self.ffs:
-            x = ff(x)
-        return x
+        return self.residual(self.attn(h, T, pos, allowed, u, v), x)
 
 
 class TransformerXLLM(PendingTokenLM):
@@ -176,23 +167,17 @@ class TransformerXLLM(PendingTokenLM):
     """
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         cfg.validate()
         if cfg.arch != "transformer_xl":
             raise ConfigError(f"TransformerXLLM needs arch 'transformer_xl', got {cfg.arch!r}")
         if cfg.d_model % 2:
             raise ConfigError(f"transformer_xl needs an even d_model for sinusoidal positions, got {cfg.d_model}")
-        self.cfg = cfg
-        self.embed, self.embed_proj = input_embedding(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.output = OutputLayer(cfg, self.embed)
+        super().__init__(cfg, Layer)
         dh = cfg.d_model // cfg.n_heads
         # Shared by every layer, as in the paper.
         self.u = nn.Parameter(torch.empty(cfg.n_heads, dh).normal_(0.0, 0.02))
         self.v = nn.Parameter(torch.empty(cfg.n_heads, dh).normal_(0.0, 0.02))
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     @property
     def max_history(self) -> int:
@@ -205,11 +190,10 @@ class TransformerXLLM(PendingTokenLM):
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> TransformerXLState:
         """The state after `<s>`: no memory yet, `<s>` pending. No compute."""
-        p = next(self.parameters())
-        device = p.device if device is None else torch.device(device)
+        dtype, device = self.state_placement(device)
         shape = (batch_size, 0, self.cfg.d_model)
         return TransformerXLState(
-            mems=[torch.empty(shape, dtype=p.dtype, device=device) for _ in self.layers],
+            mems=[torch.empty(shape, dtype=dtype, device=device) for _ in self.layers],
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
 
@@ -220,10 +204,7 @@ class TransformerXLLM(PendingTokenLM):
         state, whose memories gain the layer inputs of the T positions that precede
         each new target (each row's real ones only), capped at mem_len."""
         B, T = tokens.shape
-        inputs = torch.cat([state.last[:, None], tokens], dim=1)  # (B, T+1)
-        if lengths is not None:
-            inputs = inputs.masked_fill(~length_mask(lengths + 1, T + 1), 0)
-        run = inputs if include_last else inputs[:, :T]
+        run = self.pending_inputs(tokens, state.last, lengths, include_last)  # (B, n_run)
         n_run = run.shape[1]
         S = state.length
         dev = tokens.device
@@ -255,9 +236,4 @@ class TransformerXLLM(PendingTokenLM):
             if mask is not None and bool(mask.all()):
                 mask = None
 
-        if lengths is None:
-            new_last = tokens[:, -1] if T > 0 else state.last
-        else:
-            picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-            new_last = torch.where(lengths > 0, picked, state.last)
-        return h, TransformerXLState(mems=mems, last=new_last, mask=mask)
+        return h, TransformerXLState(mems=mems, last=self.next_pending(tokens, state.last, lengths), mask=mask)

@@ -1,176 +1,166 @@
-"""N-best containers and their readers/writers.
-
-Formats:
-- TSV with a header `utt rank total_cost ac_logprob lm_logprob_ln n_words words` (the
-  decoder dumps of shared/data: `am` = ac_logprob, `graph` = lm_logprob_ln, natural log);
-- JSON Lines: `{"utt": ..., "hyps": [{"words": [...], "am": ..., "graph": ...}]}`;
-- Kaldi-style text `utt w1 w2 ...` for 1-best output and references.
-
-Every reader names the file and line of the first malformed record.
-"""
+"""N-best rescoring: compute every score component once, combine under any weights."""
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+import time
+from dataclasses import dataclass
+from typing import Sequence
 
-from ..errors import SmallstateError
-from ..files import atomic_write_text, read_lines
+import numpy as np
+from tqdm import tqdm
 
+from ..errors import ConfigError, SmallstateError
+from ..ngram import NgramLM
+from ..scoring import (
+    NeuralScorer,
+    Weights,
+    check_overlap,
+    count_oov,
+    log_mix,
+    oov_reference,
+    weighted_total,
+)
+from .nbest_io import Utterance
+from .wer import pairwise_errors
 
-class NBestFormatError(SmallstateError):
-    """An n-best, 1-best or reference file is malformed."""
+# MBR compares hypotheses pairwise (quadratic), so it considers the first ones of each list
+# in the decoder's order; the rest are ranked after them by total.
+MBR_MAX_HYPS = 100
+# expected errors are rounded to this many decimals, so that risks equal up to summation
+# order tie (then the higher total wins) the same way here and in tune's vectorised path
+MBR_DECIMALS = 9
 
 
 @dataclass
-class Hypothesis:
-    words: list[str]
-    am: float = 0.0  # acoustic log-likelihood, natural log (higher is better)
-    graph: float = 0.0  # first-pass LM / graph log-prob, natural log
-    id: str | None = None
-    scores: dict[str, float] = field(default_factory=dict)  # components added by rescoring
+class Components:
+    """One utterance's per-hypothesis scores (natural log), before weighting."""
+
+    am: np.ndarray
+    graph: np.ndarray
+    n_words: np.ndarray
+    n_oov: np.ndarray
+    neural: np.ndarray | None = None
+    ngram: np.ndarray | None = None
+    neural_tok: list[np.ndarray] | None = None  # per hypothesis: words + </s>
+    ngram_tok: list[np.ndarray] | None = None
+    distances: np.ndarray | None = None  # word edit distances among the MBR candidates, filled on demand
+
+    def matrix(self) -> np.ndarray:
+        """(n_hyps, 6) in the order of COMPONENTS; a missing LM contributes zeros."""
+        z = np.zeros_like(self.am)
+        return np.stack([self.am, self.graph, z if self.neural is None else self.neural,
+                         z if self.ngram is None else self.ngram, self.n_words, self.n_oov], axis=1)
+
+
+def linear_lm(c: Components, lam: float) -> np.ndarray:
+    """sum_t log(lam p_nn + (1 - lam) p_ng) per hypothesis."""
+    if c.neural_tok is None or c.ngram_tok is None:
+        raise ConfigError("linear interpolation needs both a neural LM (--lm) and an n-gram (--ngram)")
+    return np.array([log_mix(lam, nn, ng).sum() for nn, ng in zip(c.neural_tok, c.ngram_tok)])
+
+
+def totals(c: Components, w: Weights) -> np.ndarray:
+    return weighted_total(w, c.matrix(), linear_lm(c, w.lam) if w.interpolation == "linear" else None)
+
+
+def mbr_distances(u: Utterance, c: Components) -> np.ndarray:
+    """(n, n) word edit distances among the first MBR_MAX_HYPS hypotheses, cached on `c`."""
+    if c.distances is None:
+        c.distances = pairwise_errors([h.words for h in u.hyps[:MBR_MAX_HYPS]])
+    return c.distances
+
+
+def expected_errors(tot: np.ndarray, distances: np.ndarray, scale: float) -> np.ndarray:
+    """Expected word errors of each MBR candidate against the posterior softmax(scale * total)
+    over the candidates."""
+    t = scale * tot[: len(distances)]
+    p = np.exp(t - t.max())
+    return np.round(distances @ (p / p.sum()), MBR_DECIMALS)
+
+
+def ranking(u: Utterance, c: Components, w: Weights) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(order best-first, totals, expected errors of the MBR candidates or None)."""
+    tot = totals(c, w)
+    if w.mbr_scale <= 0:
+        return np.argsort(-tot, kind="stable"), tot, None
+    risk = expected_errors(tot, mbr_distances(u, c), w.mbr_scale)
+    n = len(risk)
+    head = np.lexsort((-tot[:n], risk))  # fewest expected errors, ties to the higher total
+    tail = n + np.argsort(-tot[n:], kind="stable")
+    return np.concatenate([head, tail]), tot, risk
 
 
 @dataclass
-class Utterance:
-    utt: str
-    hyps: list[Hypothesis]
+class ScoreStats:
+    utterances: int = 0
+    hypotheses: int = 0
+    tokens_total: int = 0
+    tokens_computed: int = 0
+    oov_rate: float = 0.0
+    seconds: float = 0.0
 
 
-TSV_COLUMNS = ["utt", "rank", "total_cost", "ac_logprob", "lm_logprob_ln", "n_words", "words"]
-
-
-def _finite(value: str, path: Path, line: int, column: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise NBestFormatError(f"{path}:{line}: column {column!r} must be a number, got {value!r}") from None
-    if not math.isfinite(x):
-        raise NBestFormatError(f"{path}:{line}: column {column!r} must be finite, got {value!r}")
-    return x
-
-
-def _open_text(path: Path) -> list[str]:
-    return read_lines(path, NBestFormatError)
-
-
-def _group(pairs: list[tuple[str, Hypothesis]], path: Path) -> list[Utterance]:
-    """Keep file order of utterances; a repeated utterance must be contiguous."""
-    out: list[Utterance] = []
-    seen: set[str] = set()
-    for utt, hyp in pairs:
-        if out and out[-1].utt == utt:
-            out[-1].hyps.append(hyp)
-            continue
-        if utt in seen:
-            raise NBestFormatError(f"{path}: hypotheses of utterance {utt!r} are not contiguous")
-        seen.add(utt)
-        out.append(Utterance(utt, [hyp]))
-    if not out:
-        raise NBestFormatError(f"{path}: no hypotheses in file")
-    return out
-
-
-def read_nbest_tsv(path: str | os.PathLike) -> list[Utterance]:
-    path = Path(path)
-    lines = _open_text(path)
-    if not lines or lines[0].split("\t") != TSV_COLUMNS:
-        raise NBestFormatError(f"{path}:1: expected the header {' '.join(TSV_COLUMNS)} (tab-separated)")
-    pairs = []
-    for i, line in enumerate(lines[1:], start=2):
-        if not line.strip():
-            continue
-        cols = line.split("\t")
-        if len(cols) != len(TSV_COLUMNS):
-            raise NBestFormatError(f"{path}:{i}: expected {len(TSV_COLUMNS)} tab-separated columns, got {len(cols)}")
-        words = cols[6].split()
-        try:
-            n_words = int(cols[5])
-        except ValueError:
-            raise NBestFormatError(f"{path}:{i}: column 'n_words' must be an integer, got {cols[5]!r}") from None
-        if n_words != len(words):
-            raise NBestFormatError(f"{path}:{i}: n_words says {n_words} but 'words' holds {len(words)}")
-        am = _finite(cols[3], path, i, "ac_logprob")
-        graph = _finite(cols[4], path, i, "lm_logprob_ln")
-        pairs.append((cols[0], Hypothesis(words=words, am=am, graph=graph, id=cols[1])))
-    return _group(pairs, path)
-
-
-def read_nbest_jsonl(path: str | os.PathLike) -> list[Utterance]:
-    path = Path(path)
-    out = []
-    for i, line in enumerate(_open_text(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise NBestFormatError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("utt"), str):
-            raise NBestFormatError(f"{path}:{i}: expected an object with a string 'utt'")
-        hyps = rec.get("hyps")
-        if not isinstance(hyps, list) or not hyps:
-            raise NBestFormatError(f"{path}:{i}: 'hyps' must be a non-empty list")
-        parsed = []
-        for j, h in enumerate(hyps):
-            where = f"{path}:{i}: hyps[{j}]"
-            if not isinstance(h, dict):
-                raise NBestFormatError(f"{where}: expected an object")
-            words = h.get("words")
-            if isinstance(words, str):
-                words = words.split()
-            if not isinstance(words, list) or not all(isinstance(w, str) and w and not any(c.isspace() for c in w)
-                                                      for w in words):
-                raise NBestFormatError(f"{where}.words: expected a list of words without spaces")
-            vals = {}
-            for key in ("am", "graph"):
-                v = h.get(key, 0.0)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise NBestFormatError(f"{where}.{key}: expected a finite number, got {v!r}")
-                vals[key] = float(v)
-            parsed.append(Hypothesis(words=list(words), am=vals["am"], graph=vals["graph"],
-                                     id=str(h["id"]) if "id" in h else None))
-        out.append(Utterance(rec["utt"], parsed))
-    if not out:
-        raise NBestFormatError(f"{path}: no utterances in file")
-    return out
-
-
-def read_nbest(path: str | os.PathLike) -> list[Utterance]:
-    """By extension: .jsonl/.json -> JSON Lines, anything else -> TSV."""
-    p = Path(path)
-    return read_nbest_jsonl(p) if p.suffix in (".jsonl", ".json") else read_nbest_tsv(p)
-
-
-def read_text(path: str | os.PathLike, allow_empty: bool = True) -> dict[str, list[str]]:
-    """Kaldi-style `utt w1 w2 ...`; an utterance id alone means an empty transcript."""
-    path = Path(path)
-    out: dict[str, list[str]] = {}
-    for i, line in enumerate(_open_text(path), start=1):
-        parts = line.split()
-        if not parts:
-            continue
-        if parts[0] in out:
-            raise NBestFormatError(f"{path}:{i}: utterance {parts[0]!r} appears twice")
-        if len(parts) == 1 and not allow_empty:
-            raise NBestFormatError(f"{path}:{i}: utterance {parts[0]!r} has no words")
-        out[parts[0]] = parts[1:]
-    if not out:
-        raise NBestFormatError(f"{path}: no utterances in file")
-    return out
-
-
-def write_text(path: str | os.PathLike, items: dict[str, list[str]]) -> None:
-    atomic_write_text(Path(path), "".join(f"{u} {' '.join(w)}".rstrip() + "\n" for u, w in items.items()))
-
-
-def write_nbest_jsonl(path: str | os.PathLike, utts: list[Utterance]) -> None:
-    lines = []
+def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = None, ngram: NgramLM | None = None,
+                       progress: bool = True) -> tuple[list[Components], ScoreStats]:
+    """Score every hypothesis with each LM given; the neural LM sees all utterances
+    in batches (prefix-shared unless its scorer says otherwise)."""
     for u in utts:
-        hyps = [{"words": h.words, "am": h.am, "graph": h.graph, **({"id": h.id} if h.id is not None else {}),
-                 **h.scores} for h in u.hyps]
-        lines.append(json.dumps({"utt": u.utt, "hyps": hyps}))
-    atomic_write_text(Path(path), "\n".join(lines) + "\n")
+        if not u.hyps:
+            raise SmallstateError(f"utterance {u.utt!r} has an empty hypothesis list")
+    t0 = time.perf_counter()
+    sents = [h.words for u in utts for h in u.hyps]
+    stats = ScoreStats(utterances=len(utts), hypotheses=len(sents))
+    known = oov_reference(neural.vocab if neural is not None else None, ngram)
+    if neural is not None:
+        check_overlap(sents, neural.vocab, "the neural LM")
+    if ngram is not None:
+        check_overlap(sents, ngram, f"the n-gram {ngram.path}")
+    comps = []
+    for u in utts:
+        am = np.array([h.am for h in u.hyps])
+        comps.append(Components(
+            am=am, graph=np.array([h.graph for h in u.hyps]),
+            n_words=np.array([len(h.words) for h in u.hyps], dtype=np.float64),
+            n_oov=np.array([count_oov(h.words, known) for h in u.hyps], dtype=np.float64)))
+    words_total = sum(len(s) for s in sents)
+    stats.oov_rate = float(sum(c.n_oov.sum() for c in comps) / words_total) if words_total else 0.0
+    if neural is not None:
+        before = (neural.tokens_total, neural.tokens_computed)
+        chunk = 64  # utterances per progress update; the scorer batches within
+        for i in tqdm(range(0, len(utts), chunk), disable=not progress, desc="neural LM", unit="chunk"):
+            part = utts[i : i + chunk]
+            tok = neural.token_logprobs([[h.words for h in u.hyps] for u in part])
+            for c, t in zip(comps[i : i + chunk], tok):
+                c.neural_tok = t
+                c.neural = np.array([x.sum() for x in t])
+        stats.tokens_total = neural.tokens_total - before[0]
+        stats.tokens_computed = neural.tokens_computed - before[1]
+    if ngram is not None:
+        for u, c in zip(utts, comps):
+            c.ngram_tok = [ngram.token_logprobs(h.words) for h in u.hyps]
+            c.ngram = np.array([x.sum() for x in c.ngram_tok])
+    stats.seconds = time.perf_counter() - t0
+    return comps, stats
+
+
+def apply_weights(utts: Sequence[Utterance], comps: Sequence[Components], w: Weights) -> list[Utterance]:
+    """New utterances with hypotheses sorted best-first (highest total, or fewest expected
+    errors under MBR), each carrying its components, `total`, `rank` and, under MBR,
+    `expected_errors` in `scores`."""
+    out = []
+    for u, c in zip(utts, comps):
+        order, tot, risk = ranking(u, c, w)
+        hyps = []
+        for rank, j in enumerate(order):
+            h = u.hyps[j]
+            scores = {"am": float(c.am[j]), "graph": float(c.graph[j]), "n_words": int(c.n_words[j]),
+                      "n_oov": int(c.n_oov[j]), "total": float(tot[j]), "rank": rank}
+            if c.neural is not None:
+                scores["neural"] = float(c.neural[j])
+            if c.ngram is not None:
+                scores["ngram"] = float(c.ngram[j])
+            if risk is not None and j < len(risk):
+                scores["expected_errors"] = float(risk[j])
+            hyps.append(type(h)(words=h.words, am=h.am, graph=h.graph, id=h.id, scores=scores))
+        out.append(Utterance(u.utt, hyps))
+    return out

@@ -12,9 +12,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ConfigError, SmallstateError
-from ..scoring import Weights
-from .nbest import Utterance
-from .rescore import COMPONENTS, MBR_DECIMALS, Components, linear_lm, mbr_distances, weight_vector
+from ..scoring import COMPONENTS, Weights, weight_vector
+from .nbest import MBR_DECIMALS, Components, linear_lm, mbr_distances
+from .nbest_io import Utterance
 from .wer import align_counts
 
 DEFAULT_GRID = {

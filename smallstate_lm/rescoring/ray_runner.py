@@ -35,8 +35,8 @@ import numpy as np
 
 from ..errors import ConfigError, SmallstateError
 from ..scoring import Weights
-from .expand import ExpandConfig, LatticeRescorer
-from .run import LatticeOutputs, LatticeRunSummary, rescore_lattices
+from .lattice_expand import ExpandConfig, LatticeRescorer, build_rescorer
+from .lattice_files import LatticeOutputs, LatticeRunSummary, rescore_lattices
 
 
 @dataclass(frozen=True)
@@ -64,17 +64,15 @@ class RescoreJob:
                 raise ConfigError(f"RescoreJob.{name} must be an absolute path (workers may run elsewhere), got {p!r}")
 
 
-def build_rescorer(job: RescoreJob, device: str = "cpu") -> LatticeRescorer:
+def load_rescorer(job: RescoreJob, device: str = "cpu") -> LatticeRescorer:
     """Load the job's LMs on `device` (cpu, cuda, cuda:N) into a LatticeRescorer."""
     from ..checkpoint import load_model
     from ..device import pick_device
     from ..ngram import NgramLM
 
     dev = pick_device(device)
-    loaded = load_model(job.lm, dev) if job.lm is not None else None
-    ngram = NgramLM(job.ngram) if job.ngram is not None else None
-    return LatticeRescorer(job.weights, loaded.model if loaded else None, loaded.vocab if loaded else None, ngram,
-                           job.config, dev)
+    return build_rescorer(job.weights, load_model(job.lm, dev) if job.lm is not None else None,
+                          NgramLM(job.ngram) if job.ngram is not None else None, job.config, dev)
 
 
 class LatticeWorker:
@@ -98,7 +96,7 @@ class LatticeWorker:
             os.chdir(cwd)
         self.job = job
         self.symbols = SymbolTable.read(job.words) if job.words is not None else None
-        self.rescorer = build_rescorer(job, device)
+        self.rescorer = load_rescorer(job, device)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         paths = [str(p) for p in batch["path" if self.in_cwd else "abspath"]]

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..ngram import NgramLM
-from ..scoring import Weights, lm_score
+from ..scoring import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
 from ..vocab import EOS_ID, Vocabulary
 from .lattice import Lattice, LatticeWarning, SymbolTable
 
@@ -83,20 +83,20 @@ class ExpandedLattice:
     source: Lattice | None = None  # the prepared input lattice
 
     # ---- weights -> costs ------------------------------------------------------------
-    def _lm_terms(self, w: Weights, nn, ng, is_word):
-        # epsilon arcs carry no LM term (their nn = ng = 0 already give 0; the mask makes it explicit)
-        return np.where(is_word > 0, lm_score(w, nn, ng), 0.0)
+    @staticmethod
+    def _costs(w: Weights, acoustic, graph, nn, ng, n_words, oov, has_lm) -> np.ndarray:
+        # epsilon arcs carry no LM term: their nn = ng = 0 give 0 log-linearly, linear needs the mask
+        m = np.stack([-acoustic, -graph, nn, ng, n_words, oov], axis=1)
+        linear = np.where(has_lm > 0, log_mix(w.lam, nn, ng), 0.0) if w.interpolation == "linear" else None
+        return -weighted_total(w, m, linear)
 
     def arc_costs(self, w: Weights) -> np.ndarray:
-        total = (-w.am_scale * self.acoustic - w.graph_scale * self.graph + self._lm_terms(w, self.nn, self.ng,
-                                                                                          self.is_word)
-                 + w.word_penalty * self.is_word + w.oov_penalty * self.oov)
-        return -total
+        return self._costs(w, self.acoustic, self.graph, self.nn, self.ng, self.is_word, self.oov, self.is_word)
 
     def final_costs(self, w: Weights) -> np.ndarray:
-        ones = np.ones_like(self.final_nn)
-        return -(-w.am_scale * self.final_acoustic - w.graph_scale * self.final_graph
-                 + self._lm_terms(w, self.final_nn, self.final_ng, ones))
+        """Ending at each final node: its final weights and log p(</s> | history); </s> is no word."""
+        zeros, ones = np.zeros_like(self.final_nn), np.ones_like(self.final_nn)
+        return self._costs(w, self.final_acoustic, self.final_graph, self.final_nn, self.final_ng, zeros, zeros, ones)
 
     # ---- search ----------------------------------------------------------------------
     def best_words(self, w: Weights) -> list[str]:
@@ -248,9 +248,8 @@ class _Expansion:
         self.words_str = {i: sym.word(i) for i in set(int(x) for x in lat.word[self.is_word])}
         vocab, ngram = rescorer.vocab, rescorer.ngram
         self.lm_ids = {i: vocab.encode([ws])[0] for i, ws in self.words_str.items()} if vocab is not None else {}
-        self.oov = {i: 1.0 if ((vocab is not None and ws not in vocab)
-                               or (vocab is None and ngram is not None and ws not in ngram)) else 0.0
-                    for i, ws in self.words_str.items()}
+        known = oov_reference(vocab, ngram)
+        self.oov = {i: float(count_oov([ws], known)) for i, ws in self.words_str.items()}
         self.first_pass = w.am_scale * lat.acoustic + w.graph_scale * lat.graph
         self.beta = _backward(lat, w)
         self.out_arcs: list[list[int]] = [[] for _ in range(lat.num_states)]
@@ -506,3 +505,17 @@ class LatticeRescorer:
         pieces = [(objs[o], torch.as_tensor(src[o], device=self.device), torch.as_tensor(dst[o], device=self.device))
                   for o in src]
         return type(pieces[0][0]).assemble(pieces, len(refs)).compact()
+
+
+def build_rescorer(weights: Weights, lm=None, ngram: NgramLM | None = None, config: ExpandConfig | None = None,
+                   device: str | torch.device | None = None) -> LatticeRescorer:
+    """The one way every front end (CLI, Ray workers, the service) builds a lattice rescorer.
+
+    `lm` is a loaded neural LM (`checkpoint.load_model`'s result: model + vocabulary) or None;
+    `ngram` a KenLM model or None; `device` defaults to where the LM's weights are.
+    """
+    if lm is None:
+        return LatticeRescorer(weights, None, None, ngram, config, device or "cpu")
+    if device is None:
+        device = next(lm.model.parameters()).device
+    return LatticeRescorer(weights, lm.model, lm.vocab, ngram, config, device)

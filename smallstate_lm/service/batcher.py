@@ -22,15 +22,17 @@ from typing import Any, Callable
 from .errors import Unavailable
 from .metrics import Metrics
 
-log = logging.getLogger("smallstate_lm.server")
+log = logging.getLogger("smallstate_lm.service")
 
 
 class Job:
-    """A unit of work. `cost` (tokens) counts against the batch budget; the batcher
-    sets the timestamps (time.perf_counter seconds) and the size of the batch it joined."""
+    """A unit of work: `payload` is what the work function computes, `cost` (tokens) counts
+    against the batch budget; the batcher sets the timestamps (time.perf_counter seconds)
+    and the size of the batch it joined."""
 
-    def __init__(self, cost: int):
+    def __init__(self, cost: int, payload: Any = None):
         self.cost = max(1, int(cost))
+        self.payload = payload
         self.t_submit = 0.0
         self.t_start = 0.0
         self.batch_size = 0
@@ -38,11 +40,11 @@ class Job:
 
 
 # work(jobs, deliver): computes every job and calls deliver(job, result or exception) for each, from the worker.
-Work = Callable[[list, Callable[[Job, Any], None]], None]
+WorkFn = Callable[[list, Callable[[Job, Any], None]], None]
 
 
 class Batcher:
-    def __init__(self, work: Work, *, batching: bool = True, max_batch_cost: int = 32768, max_wait_s: float = 0.005,
+    def __init__(self, work: WorkFn, *, batching: bool = True, max_batch_cost: int = 32768, max_wait_s: float = 0.005,
                  max_queue: int = 256, metrics: Metrics | None = None, arriving: Callable[[], int] | None = None):
         self.work = work
         self.arriving = arriving  # None: always wait max_wait_s for company
@@ -74,7 +76,7 @@ class Batcher:
 
     async def submit(self, job: Job) -> Any:
         """Queue `job` and wait for its result; raises what the worker delivered, or
-        Unavailable (503) when the queue is full or the service is stopping."""
+        Unavailable when the queue is full or the service is stopping."""
         if self._task is None or self._closing:
             raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
         if len(self._queue) >= self.max_queue:

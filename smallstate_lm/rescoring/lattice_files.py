@@ -1,7 +1,7 @@
 """Rescoring many lattice files: read, expand, write outputs; report and skip bad files.
 
 The work per lattice ends in a `LatticeResult` (small, picklable: it can come back
-from a remote worker, see `distributed.py`) and `LatticeOutputs` turns results into
+from a remote worker, see `ray_runner.py`) and `LatticeOutputs` turns results into
 files, so the local and the distributed runs write the same outputs the same way.
 """
 
@@ -15,32 +15,12 @@ from typing import Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
-from ..errors import SmallstateError
 from ..scoring import Weights
-from .expand import ExpandedLattice, ExpandStats, LatticeRescorer
-from .lattice import Lattice, SymbolTable, read_fst, read_slf, write_fst
-from .nbest import Hypothesis, Utterance, write_nbest_jsonl, write_text
+from .lattice import Lattice, SymbolTable
+from .lattice_expand import ExpandedLattice, ExpandStats, LatticeRescorer
+from .lattice_io import read_lattice, utterance_id, write_fst
+from .nbest_io import Hypothesis, Utterance, write_nbest_jsonl, write_text
 from .wer import write_wer_report
-
-
-def lattice_name(path: Path) -> str:
-    name = path.name
-    for suffix in (".lat.fst", ".fst", ".lm.slf.gz", ".slf.gz", ".lm.slf", ".slf", ".gz"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return path.stem
-
-
-def read_lattice(path: Path, symbols: SymbolTable):
-    name = path.name
-    if name.endswith(".fst"):
-        lat = read_fst(path, symbols)
-    elif ".slf" in name:
-        lat = read_slf(path, symbols)
-    else:
-        raise SmallstateError(f"{path}: unknown lattice format; expected .fst (OpenFST) or .slf[.gz] (HTK SLF)")
-    lat.name = lattice_name(path)
-    return lat
 
 
 @dataclass
@@ -154,7 +134,7 @@ class LatticeOutputs:
         self.bar.close()
         summary, out = self.summary, self.out
         summary.lm_calls = lm_calls
-        order = {lattice_name(p): k for k, p in enumerate(self.paths)}
+        order = {utterance_id(p): k for k, p in enumerate(self.paths)}
         best = dict(sorted(self.best.items(), key=lambda kv: order.get(kv[0], 0)))
         self.nbest_utts.sort(key=lambda u: order.get(u.utt, 0))
         write_text(out / "best.txt", best)

@@ -1,0 +1,176 @@
+"""N-best containers and their readers/writers.
+
+Formats:
+- TSV with a header `utt rank total_cost ac_logprob lm_logprob_ln n_words words` (the
+  decoder dumps of shared/data: `am` = ac_logprob, `graph` = lm_logprob_ln, natural log);
+- JSON Lines: `{"utt": ..., "hyps": [{"words": [...], "am": ..., "graph": ...}]}`;
+- Kaldi-style text `utt w1 w2 ...` for 1-best output and references.
+
+Every reader names the file and line of the first malformed record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import SmallstateError
+from ..files import atomic_write_text, read_lines
+
+
+class NBestFormatError(SmallstateError):
+    """An n-best, 1-best or reference file is malformed."""
+
+
+@dataclass
+class Hypothesis:
+    words: list[str]
+    am: float = 0.0  # acoustic log-likelihood, natural log (higher is better)
+    graph: float = 0.0  # first-pass LM / graph log-prob, natural log
+    id: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)  # components added by rescoring
+
+
+@dataclass
+class Utterance:
+    utt: str
+    hyps: list[Hypothesis]
+
+
+TSV_COLUMNS = ["utt", "rank", "total_cost", "ac_logprob", "lm_logprob_ln", "n_words", "words"]
+
+
+def _finite(value: str, path: Path, line: int, column: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise NBestFormatError(f"{path}:{line}: column {column!r} must be a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise NBestFormatError(f"{path}:{line}: column {column!r} must be finite, got {value!r}")
+    return x
+
+
+def _open_text(path: Path) -> list[str]:
+    return read_lines(path, NBestFormatError)
+
+
+def _group(pairs: list[tuple[str, Hypothesis]], path: Path) -> list[Utterance]:
+    """Keep file order of utterances; a repeated utterance must be contiguous."""
+    out: list[Utterance] = []
+    seen: set[str] = set()
+    for utt, hyp in pairs:
+        if out and out[-1].utt == utt:
+            out[-1].hyps.append(hyp)
+            continue
+        if utt in seen:
+            raise NBestFormatError(f"{path}: hypotheses of utterance {utt!r} are not contiguous")
+        seen.add(utt)
+        out.append(Utterance(utt, [hyp]))
+    if not out:
+        raise NBestFormatError(f"{path}: no hypotheses in file")
+    return out
+
+
+def read_nbest_tsv(path: str | os.PathLike) -> list[Utterance]:
+    path = Path(path)
+    lines = _open_text(path)
+    if not lines or lines[0].split("\t") != TSV_COLUMNS:
+        raise NBestFormatError(f"{path}:1: expected the header {' '.join(TSV_COLUMNS)} (tab-separated)")
+    pairs = []
+    for i, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        cols = line.split("\t")
+        if len(cols) != len(TSV_COLUMNS):
+            raise NBestFormatError(f"{path}:{i}: expected {len(TSV_COLUMNS)} tab-separated columns, got {len(cols)}")
+        words = cols[6].split()
+        try:
+            n_words = int(cols[5])
+        except ValueError:
+            raise NBestFormatError(f"{path}:{i}: column 'n_words' must be an integer, got {cols[5]!r}") from None
+        if n_words != len(words):
+            raise NBestFormatError(f"{path}:{i}: n_words says {n_words} but 'words' holds {len(words)}")
+        am = _finite(cols[3], path, i, "ac_logprob")
+        graph = _finite(cols[4], path, i, "lm_logprob_ln")
+        pairs.append((cols[0], Hypothesis(words=words, am=am, graph=graph, id=cols[1])))
+    return _group(pairs, path)
+
+
+def read_nbest_jsonl(path: str | os.PathLike) -> list[Utterance]:
+    path = Path(path)
+    out = []
+    for i, line in enumerate(_open_text(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise NBestFormatError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("utt"), str):
+            raise NBestFormatError(f"{path}:{i}: expected an object with a string 'utt'")
+        hyps = rec.get("hyps")
+        if not isinstance(hyps, list) or not hyps:
+            raise NBestFormatError(f"{path}:{i}: 'hyps' must be a non-empty list")
+        parsed = []
+        for j, h in enumerate(hyps):
+            where = f"{path}:{i}: hyps[{j}]"
+            if not isinstance(h, dict):
+                raise NBestFormatError(f"{where}: expected an object")
+            words = h.get("words")
+            if isinstance(words, str):
+                words = words.split()
+            if not isinstance(words, list) or not all(isinstance(w, str) and w and not any(c.isspace() for c in w)
+                                                      for w in words):
+                raise NBestFormatError(f"{where}.words: expected a list of words without spaces")
+            vals = {}
+            for key in ("am", "graph"):
+                v = h.get(key, 0.0)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise NBestFormatError(f"{where}.{key}: expected a finite number, got {v!r}")
+                vals[key] = float(v)
+            parsed.append(Hypothesis(words=list(words), am=vals["am"], graph=vals["graph"],
+                                     id=str(h["id"]) if "id" in h else None))
+        out.append(Utterance(rec["utt"], parsed))
+    if not out:
+        raise NBestFormatError(f"{path}: no utterances in file")
+    return out
+
+
+def read_nbest(path: str | os.PathLike) -> list[Utterance]:
+    """By extension: .jsonl/.json -> JSON Lines, anything else -> TSV."""
+    p = Path(path)
+    return read_nbest_jsonl(p) if p.suffix in (".jsonl", ".json") else read_nbest_tsv(p)
+
+
+def read_text(path: str | os.PathLike, allow_empty: bool = True) -> dict[str, list[str]]:
+    """Kaldi-style `utt w1 w2 ...`; an utterance id alone means an empty transcript."""
+    path = Path(path)
+    out: dict[str, list[str]] = {}
+    for i, line in enumerate(_open_text(path), start=1):
+        parts = line.split()
+        if not parts:
+            continue
+        if parts[0] in out:
+            raise NBestFormatError(f"{path}:{i}: utterance {parts[0]!r} appears twice")
+        if len(parts) == 1 and not allow_empty:
+            raise NBestFormatError(f"{path}:{i}: utterance {parts[0]!r} has no words")
+        out[parts[0]] = parts[1:]
+    if not out:
+        raise NBestFormatError(f"{path}: no utterances in file")
+    return out
+
+
+def write_text(path: str | os.PathLike, items: dict[str, list[str]]) -> None:
+    atomic_write_text(Path(path), "".join(f"{u} {' '.join(w)}".rstrip() + "\n" for u, w in items.items()))
+
+
+def write_nbest_jsonl(path: str | os.PathLike, utts: list[Utterance]) -> None:
+    lines = []
+    for u in utts:
+        hyps = [{"words": h.words, "am": h.am, "graph": h.graph, **({"id": h.id} if h.id is not None else {}),
+                 **h.scores} for h in u.hyps]
+        lines.append(json.dumps({"utt": u.utt, "hyps": hyps}))
+    atomic_write_text(Path(path), "\n".join(lines) + "\n")

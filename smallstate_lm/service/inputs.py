@@ -1,0 +1,160 @@
+"""Validated requests -> the compute module's work: the limits of the settings, hypothesis lists
+as `Utterance`s, lattice text parsed into prepared `Lattice`s, the request's weights. Every problem
+is a ServiceError naming the request field. Pure functions of the request and the loaded models,
+so routes.py may run them on any thread."""
+
+from __future__ import annotations
+
+import re
+
+from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
+from smallstate_lm.rescoring.lattice_io import read_fst_text, read_slf_text
+from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
+
+from .compute import Compute, LatticeItem, NbestItem, Work
+from .errors import LimitError, ServiceError
+from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
+from .settings import Settings
+
+
+def rescore_work(body: RescoreRequest, compute: Compute, s: Settings) -> Work:
+    if len(body.utterances) > s.max_utterances:
+        raise LimitError(f"{len(body.utterances)} utterances, more than the limit of {s.max_utterances} "
+                         f"(max_utterances)", "utterances", s.max_utterances)
+    if body.nbest is not None and body.nbest > s.max_nbest:
+        raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
+    weights = compute.request_weights(body.weights.model_dump(exclude_none=True) if body.weights else {})
+    items: list[NbestItem | LatticeItem] = []
+    fields = []
+    for i, u in enumerate(body.utterances):
+        where = f"utterances[{i}]"
+        if u.hypotheses is not None:
+            items.append(compute.nbest_item(*_hypotheses(u, where, s)))
+        else:
+            if u.context is not None:
+                raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
+                                   f"{where}.context")
+            lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs)
+            items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest))
+        fields.append(where)
+    return compute.work("rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
+
+
+def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, list[str]]:
+    """The utterance's hypotheses (ids: the request's, else None) and its context words."""
+    if len(u.hypotheses) > s.max_hypotheses:
+        raise LimitError(f"{len(u.hypotheses)} hypotheses, more than the limit of {s.max_hypotheses} "
+                         f"(max_hypotheses)", f"{where}.hypotheses", s.max_hypotheses)
+    context = u.context.split() if u.context else []
+    if len(context) > s.max_words:
+        raise LimitError(f"{len(context)} context words, more than the limit of {s.max_words} (max_words)",
+                         f"{where}.context", s.max_words)
+    hyps = []
+    for j, h in enumerate(u.hypotheses):
+        words = list(h.words) if h.words is not None else h.text.split()
+        if len(words) > s.max_words:
+            key = "words" if h.words is not None else "text"
+            raise LimitError(f"{len(words)} words, more than the limit of {s.max_words} (max_words)",
+                             f"{where}.hypotheses[{j}].{key}", s.max_words)
+        hyps.append(Hypothesis(words=words, am=h.am_score, graph=h.graph_score, id=h.id))
+    return Utterance(u.id, hyps), context
+
+
+def score_work(body: ScoreRequest, compute: Compute, s: Settings) -> Work:
+    if len(body.sentences) > s.max_utterances:
+        raise LimitError(f"{len(body.sentences)} sentences, more than the limit of {s.max_utterances} "
+                         f"(max_utterances)", "sentences", s.max_utterances)
+    items, fields = [], []
+    for i, text in enumerate(body.sentences):
+        words = text.split()
+        if len(words) > s.max_words:
+            raise LimitError(f"{len(words)} words, more than the limit of {s.max_words} (max_words)",
+                             f"sentences[{i}]", s.max_words)
+        items.append(compute.nbest_item(Utterance(str(i), [Hypothesis(words=words)]), []))
+        fields.append(f"sentences[{i}]")
+    return compute.work("score", items, fields, compute.weights, token_logprobs=body.return_token_logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lattices from request text
+
+_SLF_COUNT = re.compile(r'(?:^|\s|")(N|NODES|L|LINKS)=("(?:[^"\\]|\\.)*"|\S*)', re.M)
+
+
+def _as_int(s: str) -> int | None:
+    try:
+        return int(s)
+    except ValueError:
+        return None
+
+
+def _check_fst_text(text: str, where: str, max_arcs: int) -> list[str]:
+    """Arc count and largest state id against the limits before the parser allocates
+    per-state arrays; returns the output labels of the arcs."""
+    labels: list[str] = []
+    max_state = -1
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4:
+            labels.append(parts[3])
+            if len(labels) > max_arcs:
+                raise LimitError(f"the lattice has more than {max_arcs} arcs (max_lattice_arcs)", where, max_arcs)
+        for p in parts[: 2 if len(parts) >= 4 else 1]:
+            s = _as_int(p)
+            if s is not None and s > max_state:
+                max_state = s
+    if max_state > max_arcs:
+        raise LimitError(f"state id {max_state} is beyond the {max_arcs + 1} states a lattice may have "
+                         f"(max_lattice_arcs + 1)", where, max_arcs)
+    return labels
+
+
+def _check_slf_counts(text: str, where: str, max_arcs: int) -> None:
+    for m in _SLF_COUNT.finditer(text):
+        key, raw = m.group(1), m.group(2)
+        if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
+            raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+        n = _as_int(raw)
+        if n is None:
+            continue  # the parser names the bad value
+        nodes = key in ("N", "NODES")
+        limit = max_arcs + 1 if nodes else max_arcs
+        if n > limit:
+            what = "nodes (max_lattice_arcs + 1)" if nodes else "links (max_lattice_arcs)"
+            raise LimitError(f"{key}={n}: a lattice may have at most {limit} {what}", where, limit)
+
+
+def _symbol_table(words: dict[str, int], where: str) -> SymbolTable:
+    pairs = list(words.items())
+    if "<eps>" not in words and 0 not in words.values():
+        pairs.insert(0, ("<eps>", 0))
+    try:
+        return SymbolTable(pairs, source=where)
+    except LatticeFormatError as e:
+        raise ServiceError(str(e), where) from None
+
+
+def parse_lattice(lat: LatticeIn, where: str, name: str, max_arcs: int) -> Lattice:
+    """A request's lattice text -> a prepared Lattice named `name`; every problem is a ServiceError naming `where`."""
+    data_field = f"{where}.data"
+    symbols = _symbol_table(lat.words, f"{where}.words") if lat.words is not None else None
+    try:
+        if lat.format == "openfst-text":
+            labels = _check_fst_text(lat.data, data_field, max_arcs)
+            if symbols is None:
+                numeric = [lb for lb in labels if _as_int(lb) not in (None, 0)]
+                if numeric:
+                    raise ServiceError(f"arc label {numeric[0]} is a number: give the decoder's symbol table as "
+                                       f"'words' (or use words as labels)", f"{where}.words")
+                symbols = SymbolTable.from_words([lb for lb in labels if _as_int(lb) is None])
+            parsed = read_fst_text(lat.data, symbols, name=data_field)
+        else:
+            _check_slf_counts(lat.data, data_field, max_arcs)
+            parsed = read_slf_text(lat.data, symbols, name=data_field, lattice_name=name)
+        if parsed.num_arcs > max_arcs:
+            raise LimitError(f"the lattice has {parsed.num_arcs} arcs, more than {max_arcs} (max_lattice_arcs)",
+                             data_field, max_arcs)
+        parsed.name = name
+        return parsed.prepare()
+    except LatticeFormatError as e:
+        raise ServiceError(str(e), data_field) from None

@@ -1,0 +1,124 @@
+"""The package's import direction (docs/architecture.md): core -> models -> scoring -> rescoring / training ->
+service -> cli, nothing imports upward, rescoring and the service never import the training side, and there is
+no import cycle. Imports inside functions count: a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "smallstate_lm"
+
+# (layer rank, group): a module may import from a lower rank, or from its own group at the same rank.
+CORE, MODELS, SCORING, WORK, SERVICE, FRONT = range(6)
+LAYERS = {
+    "errors": (CORE, "core"), "files": (CORE, "core"), "vocab": (CORE, "core"), "state": (CORE, "core"),
+    "device": (CORE, "core"),
+    "models": (MODELS, "models"),
+    "checkpoint": (SCORING, "scoring"), "ngram": (SCORING, "scoring"), "scoring": (SCORING, "scoring"),
+    "rescoring": (WORK, "rescoring"),
+    "data": (WORK, "training"), "evaluate": (WORK, "training"), "train": (WORK, "training"),
+    "distill": (WORK, "training"), "tasks": (WORK, "training"), "train_config": (WORK, "training"),
+    "service": (SERVICE, "service"),
+    "cli": (FRONT, "front"), "__main__": (FRONT, "front"), "__init__": (FRONT, "front"),
+}
+TRAINING = {"data", "evaluate", "train", "train_config", "distill", "tasks", "cli", "__main__"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every smallstate_lm module `path` imports, anywhere in the file, as dotted names."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("smallstate_lm"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("smallstate_lm"):
+                continue
+            out.add(mod)
+            # `from . import app` names a submodule
+            out.update(f"{mod}.{a.name}" for a in node.names if (PKG.parent / f"{mod}.{a.name}".replace(".", "/")).
+                       with_suffix(".py").exists())
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
+
+
+def _layer(module: str) -> tuple[int, str]:
+    parts = module.split(".")
+    key = parts[1] if len(parts) > 1 else "__init__"
+    assert key in LAYERS, f"{module}: not placed in a layer of tests/test_architecture.py (and docs/architecture.md)"
+    return LAYERS[key]
+
+
+def test_nothing_imports_upward():
+    bad = []
+    for mod, deps in _graph().items():
+        rank, group = _layer(mod)
+        for d in deps:
+            r, g = _layer(d)
+            if r > rank or (r == rank and g != group):
+                bad.append(f"{mod} -> {d}")
+    assert not bad, "imports against the layer direction:\n" + "\n".join(sorted(bad))
+
+
+def test_rescoring_and_the_service_never_import_the_training_side():
+    bad = [f"{mod} -> {d}" for mod, deps in _graph().items() if _layer(mod)[1] in ("rescoring", "service", "scoring")
+           for d in deps if d.split(".")[1] in TRAINING]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_graph_is_read():
+    graph = _graph()
+    assert "smallstate_lm.rescoring.lattice_expand" in graph["smallstate_lm.cli"] | {
+        d for m in graph if m.startswith("smallstate_lm.rescoring") for d in graph[m]}
+    assert "smallstate_lm.state" in graph["smallstate_lm.scoring"]
