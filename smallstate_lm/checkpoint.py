@@ -1,13 +1,17 @@
 """Checkpoints: one torch file holding config, vocabulary, weights and (for resuming)
 optimizer and progress. Loaded with `weights_only=True`, so a checkpoint can never
 execute code; written through a temp file and a rename, so a crash never leaves a
-half-written file under the real name.
+half-written file under the real name. Each file carries a sha256 digest per weight
+tensor, checked at load: torch does not check its zip entries' CRCs, so damaged bytes
+would otherwise load as (often NaN) weights without a word.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +22,15 @@ from torch import nn
 from .errors import CheckpointError, SmallstateError
 from .files import atomic_output
 from .models import ModelConfig, build_model
-from .vocab import Vocabulary
+from .vocab import EOS_ID, Vocabulary
 
 FORMAT = "smallstate-lm/1"
 MODEL_FILE = "model.pt"  # best weights: what eval and rescoring load
 LAST_FILE = "last.pt"  # full training state: what --resume loads
+# {tensor name: sha256 hex} over the "model" entry; files written before it have none and are
+# checked for non-finite weights only
+DIGEST_KEY = "tensor_sha256"
+SELF_CHECK_WORDS = ("the", "lord", "is", "my", "shepherd")
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -30,11 +38,73 @@ def atomic_torch_save(obj, path: Path) -> None:
         torch.save(obj, tmp)
 
 
+def tensor_digests(weights: dict) -> dict[str, str]:
+    """sha256 of each tensor's name, dtype, shape and bytes, by name (non-tensors are skipped)."""
+    out = {}
+    for name, t in weights.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        h = hashlib.sha256(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy())
+        out[name] = h.hexdigest()
+    return out
+
+
 def save_checkpoint(path: Path, model: nn.Module, vocab: Vocabulary, **extra) -> None:
     cfg: ModelConfig = model.cfg
-    obj = {"format": FORMAT, "config": cfg.to_dict(), "vocab": vocab.to_dict(), "model": model.state_dict()}
+    weights = model.state_dict()
+    obj = {"format": FORMAT, "config": cfg.to_dict(), "vocab": vocab.to_dict(), "model": weights,
+           DIGEST_KEY: tensor_digests(weights)}
     obj.update(extra)
     atomic_torch_save(obj, path)
+
+
+def _tensors(names: list[str], most: int = 5) -> str:
+    """`tensor 'a'` or `tensors 'a', 'b' and 3 more`."""
+    shown = ", ".join(repr(n) for n in names[:most])
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{'tensor' if len(names) == 1 else 'tensors'} {shown}{more}"
+
+
+def _check_weights(path: Path, obj: dict) -> None:
+    """Refuse weights that differ from the digest saved with them, or that are not finite."""
+    weights = obj["model"]
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{path}: the 'model' entry is not a dict of tensors")
+    stored = obj.get(DIGEST_KEY)
+    if stored is not None:
+        if not isinstance(stored, dict):
+            raise CheckpointError(f"{path}: the {DIGEST_KEY!r} entry is not a dict of digests")
+        actual = tensor_digests(weights)
+        bad = sorted(k for k in stored.keys() | actual.keys() if stored.get(k) != actual.get(k))
+        if bad:
+            raise CheckpointError(f"{path}: corrupt checkpoint: the sha256 digest saved with the weights does not "
+                                  f"match {_tensors(bad)}; expected the bytes as written")
+    bad = [k for k, t in weights.items()
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"{path}: {_tensors(bad)}: NaN or infinite values; expected finite weights "
+                              "(a corrupt file, or a training run that diverged)")
+
+
+def _load_failure(path: Path, e: Exception) -> CheckpointError:
+    """One line for a file torch could not load. Its refusals under weights_only come with
+    advice to load with weights_only=False, which would run the file's code: name what was
+    refused instead."""
+    text = str(e).strip()
+    if "Weights only load failed" in text:
+        unsafe = re.search(r"GLOBAL (\S+?)[.,]?(?:\s|$)", text)
+        if unsafe:
+            return CheckpointError(f"{path}: refused to load: the file asks for the Python global "
+                                   f"{unsafe.group(1)}, which could run code; expected a smallstate-lm "
+                                   "checkpoint (tensors, numbers, strings and containers only)")
+        text = text.split("WeightsUnpickler error:")[-1]
+        text = "\n".join(x for x in text.splitlines() if "weights_only" not in x and "torch.load" not in x)
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    reason = lines[0] if lines else type(e).__name__
+    return CheckpointError(f"{path}: corrupt or truncated checkpoint ({reason[:200]})")
 
 
 def read_checkpoint(path: str | os.PathLike, default_file: str = MODEL_FILE) -> tuple[Path, dict]:
@@ -51,13 +121,13 @@ def read_checkpoint(path: str | os.PathLike, default_file: str = MODEL_FILE) -> 
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
             KeyError, IndexError, AttributeError, TypeError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: corrupt or truncated checkpoint ({reason[:200]})") from None
+        raise _load_failure(path, e) from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a smallstate-lm checkpoint (expected format {FORMAT!r})")
     for key in ("config", "vocab", "model"):
         if key not in obj:
             raise CheckpointError(f"{path}: checkpoint lacks its {key!r} entry")
+    _check_weights(path, obj)
     return path, obj
 
 
@@ -82,7 +152,7 @@ def export_model(src: str | os.PathLike, out_dir: str | os.PathLike, half: bool 
     weights = {k: small(v) for k, v in obj["model"].items()}
     keep = {k: obj[k] for k in ("step", "valid_ppl") if k in obj}
     release = {"format": FORMAT, "config": obj["config"], "vocab": obj["vocab"], "model": weights,
-               **keep, **extra}
+               DIGEST_KEY: tensor_digests(weights), **keep, **extra}
     atomic_torch_save(release, out / MODEL_FILE)
     Vocabulary.from_dict(obj["vocab"]).save(out / "vocab.txt")
     return out / MODEL_FILE
@@ -100,8 +170,8 @@ class LoadedModel:
 def load_model(
     path: str | os.PathLike, device: str | torch.device = "cpu", default_file: str = MODEL_FILE
 ) -> LoadedModel:
-    """Rebuild the exact saved model in eval mode; every failure is a CheckpointError
-    naming the file."""
+    """Rebuild the exact saved model in eval mode and `self_check` it; every failure is a
+    CheckpointError naming the file."""
     path, obj = read_checkpoint(path, default_file)
     try:
         cfg = ModelConfig.from_dict(dict(obj["config"]))
@@ -118,5 +188,27 @@ def load_model(
         first = str(e).strip().splitlines()
         raise CheckpointError(f"{path}: weights do not match the config ({' '.join(first[:2])[:300]})") from None
     model.to(device).eval()
-    extra = {k: v for k, v in obj.items() if k not in ("config", "vocab", "model")}
-    return LoadedModel(model=model, vocab=vocab, config=cfg, path=path, extra=extra)
+    extra = {k: v for k, v in obj.items() if k not in ("config", "vocab", "model", DIGEST_KEY)}
+    loaded = LoadedModel(model=model, vocab=vocab, config=cfg, path=path, extra=extra)
+    self_check(loaded)
+    return loaded
+
+
+@torch.no_grad()
+def self_check(loaded: LoadedModel) -> None:
+    """Score a short fixed sentence (SELF_CHECK_WORDS, OOVs as <unk>, then </s>) and raise
+    CheckpointError unless every natural-log probability is finite: finite weights can
+    still overflow in the forward, which no check of the file sees."""
+    model = loaded.model
+    device = next(model.parameters()).device
+    tokens = torch.tensor([loaded.vocab.encode(SELF_CHECK_WORDS) + [EOS_ID]], device=device)  # (1, T)
+    was_training = model.training
+    model.eval()
+    try:
+        logp, _ = model.score(tokens, model.initial_state(1, device))  # (1, T)
+    finally:
+        model.train(was_training)
+    if not bool(torch.isfinite(logp).all()):
+        values = ", ".join(f"{x:.3g}" for x in logp[0].tolist())
+        raise CheckpointError(f"{loaded.path}: the model's log-probabilities of {' '.join(SELF_CHECK_WORDS)!r} "
+                              f"are not finite ({values}); expected finite scores (broken weights?)")

@@ -385,7 +385,8 @@ def rescore(
     from .rescoring.nbest import apply_weights, compute_components
     from .rescoring.nbest_io import read_nbest, read_text, write_nbest_jsonl, write_text
 
-    kinds = {_is_lattice(p) for p in inputs}
+    # a directory has no kind: among lattices it is reported and skipped like any unreadable lattice
+    kinds = {_is_lattice(p) for p in inputs if not p.is_dir()}
     if len(kinds) > 1:
         raise ConfigError("give either n-best files or lattice files, not both")
     direct = {"lm_weight": lm_weight, "ngram_weight": ngram_weight, "word_penalty": word_penalty,
@@ -406,9 +407,8 @@ def rescore(
     comps, stats = compute_components(utts, neural, ng, progress=not quiet)
     ranked = apply_weights(utts, comps, w)
     best = {u.utt: u.hyps[0].words for u in ranked}
-    out.mkdir(parents=True, exist_ok=True)
+    write_nbest_jsonl(out / "nbest.jsonl", ranked)  # first: it refuses non-finite scores, before best.txt exists
     write_text(out / "best.txt", best)
-    write_nbest_jsonl(out / "nbest.jsonl", ranked)
     summary = (f"{stats.utterances} utterances, {stats.hypotheses} hypotheses, {stats.tokens_total} tokens "
                f"({stats.tokens_computed} computed), OOV {100 * stats.oov_rate:.2f}%, {stats.seconds:.1f} s")
     if ref is not None:
@@ -451,6 +451,9 @@ def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_
         summary = rescore_lattice_files(inputs, symbols, rescorer, out, ref, nbest, progress=not quiet,
                                         on_error=on_error)
     typer.echo(summary.line())
+    if errors and not summary.lattices:
+        typer.echo(f"error: none of the {len(errors)} lattice files could be rescored; nothing written to {out}",
+                   err=True)
     if errors:
         raise typer.Exit(code=2)
 
@@ -586,7 +589,14 @@ def serve(
     options = {"lm": str(lm) if lm else None, "ngram": str(ngram) if ngram else None,
                "weights": str(weights) if weights else None, "host": host, "port": port, "device": device,
                "threads": threads, "batching": batching}
-    run_server(Settings.from_env(assignments=set_, **options))
+    settings = Settings.from_env(assignments=set_, **options)
+    if settings.lm is not None:
+        from .checkpoint import load_model
+
+        # The app loads the model in its lifespan, where a bad file becomes a uvicorn traceback: load and
+        # self-check it here first (on the CPU, then dropped) so that it is one line and exit status 2.
+        load_model(settings.lm)
+    run_server(settings)
 
 
 # Where distill's student options differ from train's: the rest are train's, as they are.

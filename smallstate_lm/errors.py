@@ -24,3 +24,12 @@ class DataError(SmallstateError):
 
 class CheckpointError(SmallstateError):
     """A checkpoint is missing, corrupt, truncated or does not match its config."""
+
+
+class WorkLimitError(SmallstateError):
+    """Scoring a request would need more working memory than the configured cap
+    (`NeuralScorer.max_work_bytes`) allows, even split into the smallest pieces."""
+
+
+class ScoreError(SmallstateError):
+    """A score came out NaN or infinite, so it can be neither ranked nor written as JSON."""

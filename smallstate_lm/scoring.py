@@ -12,13 +12,13 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from .errors import ConfigError, VocabularyError
+from .errors import ConfigError, VocabularyError, WorkLimitError
 from .files import atomic_write_text
 from .state import pad_batch
 from .vocab import EOS_ID, Vocabulary
@@ -137,16 +137,58 @@ def count_oov(words: Sequence[str], known) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+# The working memory (bytes) a scorer lets one tree-attention call hold unless told
+# otherwise: small beside a server's memory, ample for n-best lists of ordinary size
+# (a trie past a few thousand nodes runs in blocks, or in sub-tries, within it).
+DEFAULT_MAX_WORK_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class TreeSize:
+    """What a batch of tries costs tree attention, in the terms of a model's `tree_plan`:
+    rows, nodes of the largest row, nodes in all, the deepest node's depth, and the sum
+    over leaves of depth + 1. `a + b` is the batch of both."""
+
+    n_rows: int = 0
+    max_nodes: int = 0
+    total_nodes: int = 0
+    max_depth: int = 0
+    path_len: int = 0
+
+    def __add__(self, other: "TreeSize") -> "TreeSize":
+        return TreeSize(self.n_rows + other.n_rows, max(self.max_nodes, other.max_nodes),
+                        self.total_nodes + other.total_nodes, max(self.max_depth, other.max_depth),
+                        self.path_len + other.path_len)
+
+    def nbytes(self, model: nn.Module, max_work_bytes: int | None) -> int:
+        """The peak working memory of `model.score_tree` on such a batch under the cap."""
+        return model.tree_plan(self.n_rows, self.max_nodes, self.total_nodes, self.max_depth, self.path_len,
+                               max_work_bytes).nbytes
+
+
+class WorkCost(NamedTuple):
+    """What scoring some utterances will cost, known before any work: `trie_nodes`, the
+    nodes of their prefix tries (every token without prefix sharing), and `nbytes`, the
+    peak working memory of the scorer's plan. Above the scorer's `max_work_bytes` the
+    plan cannot run: `token_logprobs` would raise WorkLimitError."""
+
+    trie_nodes: int
+    nbytes: int
+
+
 class PrefixTrie:
     """The prefix trie of token sequences, cut into segments: maximal non-branching
     chains of nodes. One segment is one row of one `score` call; a segment's parent
     is the segment holding the node it hangs from, and its level is its depth in
-    segments (all segments of a level are scored in one batched call)."""
+    segments (all segments of a level are scored in one batched call).
+
+    `size` is what the trie costs tree attention (`TreeSize`)."""
 
     def __init__(self, seqs: Sequence[Sequence[int]]):
         children: list[dict[int, int]] = [{}]  # node 0 is the root (the state after <s>)
         token: list[int] = [-1]
         parent: list[int] = [-1]
+        depth: list[int] = [0]
         self.node_paths: list[list[int]] = []
         for s in seqs:
             node, path = 0, []
@@ -158,11 +200,15 @@ class PrefixTrie:
                     children.append({})
                     token.append(t)
                     parent.append(node)
+                    depth.append(len(path) + 1)
                 node = nxt
                 path.append(node)
             self.node_paths.append(path)
         ends = {p[-1] for p in self.node_paths if p}
         self.n_nodes = len(children) - 1
+        # leaves are the nodes without children (the root, when there is nothing else)
+        self.size = TreeSize(1, self.n_nodes, self.n_nodes, max(depth),
+                             sum(d + 1 for d, c in zip(depth, children) if not c))
         # nodes 1..n in creation order: every parent precedes its children
         self.node_token = token
         self.node_parent = parent
@@ -199,18 +245,26 @@ class NeuralScorer:
     its parent's state (batched across utterances level by level). `False` scores
     every hypothesis as its own padded row. All give the same numbers up to float
     rounding.
+
+    `max_work_bytes` caps the working memory of each tree-attention call (None: no cap,
+    one dense pass per batch): a trie too large for the dense pass runs in blocks, one
+    too large even for that is split into sub-tries of whole hypotheses. `estimate_cost`
+    says what a request will cost before any work.
     """
 
     def __init__(self, model: nn.Module, vocab: Vocabulary, device: str | torch.device = "cpu",
                  batch_tokens: int = 8192, share_prefixes: bool = True, group_tokens: int | None = None,
-                 use_tree: bool = True):
+                 use_tree: bool = True, max_work_bytes: int | None = DEFAULT_MAX_WORK_BYTES):
+        if max_work_bytes is not None and max_work_bytes <= 0:
+            raise ConfigError(f"max_work_bytes must be positive (or None for no cap), got {max_work_bytes}")
         self.model, self.vocab, self.device = model, vocab, torch.device(device)
         self.batch_tokens = batch_tokens
         self.group_tokens = group_tokens or 8 * batch_tokens
         # Tree attention (one pass per trie) where the model offers it; otherwise the
         # tries are walked level by level through the state contract.
-        self.use_tree = use_tree and model.score_tree is not None
+        self.use_tree = use_tree and model.score_tree is not None and model.tree_plan is not None
         self.share_prefixes = share_prefixes
+        self.max_work_bytes = max_work_bytes
         self.tokens_total = 0
         self.tokens_computed = 0
 
@@ -257,29 +311,90 @@ class NeuralScorer:
             start = end
         return out
 
-    def _score_trees(self, encoded, out) -> None:
-        """One row per utterance: its whole trie in one pass of tree attention."""
-        tries = [PrefixTrie(hyps) for hyps in encoded]
-        order = sorted(range(len(tries)), key=lambda i: tries[i].n_nodes)
-        i = 0
-        while i < len(order):
-            n = 1
-            while i + n < len(order) and (n + 1) * tries[order[i + n]].n_nodes <= self.batch_tokens:
+    def estimate_cost(self, groups: Sequence[Sequence[Sequence[str]]]) -> WorkCost:
+        """What `token_logprobs(groups)` will cost, without running the model: the trie
+        nodes and the peak working memory of the plan (`WorkCost`). With tree attention,
+        the bound of the very plan `token_logprobs` follows; for the other paths a rough
+        estimate of their largest batch, which `batch_tokens` bounds, not `max_work_bytes`."""
+        encoded = [[self.encode(h) for h in hyps] for hyps in groups]
+        if self.share_prefixes and self.use_tree:
+            _, nodes, nbytes = self._plan_trees(encoded)
+            return WorkCost(nodes, nbytes)
+        seqs = [s for hyps in encoded for s in hyps]
+        nodes = sum(PrefixTrie(hyps).n_nodes for hyps in encoded) if self.share_prefixes else sum(map(len, seqs))
+        cfg = self.model.cfg
+        longest = max(map(len, seqs), default=0)
+        # per token: its state, activations and a row of attention scores per head
+        per_token = 4 * (self.model.state_numel_per_position() + 16 * cfg.d_model + cfg.d_ff
+                         + 2 * cfg.n_heads * longest)
+        return WorkCost(nodes, max(self.batch_tokens, longest) * per_token)
+
+    def _plan_trees(self, encoded) -> tuple[list[list[_TreeRow]], int, int]:
+        """The tree-attention plan for utterances of encoded hypotheses: batches of rows
+        within `batch_tokens` and the cap, the utterances' trie nodes, and the plan's peak
+        bytes (above the cap: a hypothesis alone does not fit)."""
+        rows: list[_TreeRow] = []
+        nodes = 0
+        for u, hyps in enumerate(encoded):
+            trie = PrefixTrie(hyps)
+            nodes += trie.n_nodes
+            if self._fits(trie.size):
+                rows.append(_TreeRow(u, list(range(len(hyps))), trie.size, trie))
+            else:
+                rows.extend(self._split(u, hyps))
+        rows.sort(key=lambda r: r.size.max_nodes)
+        batches, i = [], 0
+        while i < len(rows):
+            size, n = rows[i].size, 1
+            while i + n < len(rows) and (n + 1) * rows[i + n].size.max_nodes <= self.batch_tokens \
+                    and self._fits(size + rows[i + n].size):
+                size = size + rows[i + n].size
                 n += 1
-            batch = order[i : i + n]
-            rows = [tries[j] for j in batch]
-            tok = [t.node_token[1:] for t in rows]
-            par = [[p - 1 for p in t.node_parent[1:]] for t in rows]
-            tokens, lengths = pad_batch(tok, self.device)
-            parents, _ = pad_batch(par, self.device)
-            logp = self.model.score_tree(tokens, parents, lengths).double().cpu().numpy()
-            for r, j in enumerate(batch):
-                node_logp = np.concatenate([[0.0], logp[r, : rows[r].n_nodes]])
-                for k, path in enumerate(rows[r].node_paths):
-                    out[j][k] = node_logp[path]
-                self.tokens_total += sum(len(s) for s in encoded[j])
-                self.tokens_computed += rows[r].n_nodes
+            batches.append(rows[i : i + n])
             i += n
+        peak = max((sum((r.size for r in b), TreeSize()).nbytes(self.model, self.max_work_bytes) for b in batches),
+                   default=0)
+        return batches, nodes, peak
+
+    def _fits(self, size: TreeSize) -> bool:
+        """Whether score_tree can run a batch of that size within the cap."""
+        return self.max_work_bytes is None or size.nbytes(self.model, self.max_work_bytes) <= self.max_work_bytes
+
+    def _split(self, u: int, hyps: list[list[int]]) -> list[_TreeRow]:
+        """Utterance u's hypotheses cut into sub-tries that fit the cap, in sorted order so
+        that the hypotheses sharing a prefix stay together."""
+        rows: list[_TreeRow] = []
+        group: list[int] = []
+        size = TreeSize()
+        for j in sorted(range(len(hyps)), key=hyps.__getitem__):
+            grown = _grown(size, hyps[group[-1]] if group else None, hyps[j])
+            if group and not self._fits(grown):
+                rows.append(_TreeRow(u, group, size))
+                group, grown = [], _grown(TreeSize(), None, hyps[j])
+            group.append(j)
+            size = grown
+        rows.append(_TreeRow(u, group, size))
+        return rows
+
+    def _score_trees(self, encoded, out) -> None:
+        """Tree attention over each utterance's trie (or its sub-tries), batched as planned."""
+        batches, _, peak = self._plan_trees(encoded)
+        if self.max_work_bytes is not None and peak > self.max_work_bytes:
+            raise WorkLimitError(f"scoring these hypotheses needs {peak / 2**20:.1f} MiB of working memory even one "
+                                 f"hypothesis at a time, more than max_work_bytes ({self.max_work_bytes / 2**20:.1f} "
+                                 "MiB): raise it, or send shorter hypotheses")
+        for batch in batches:
+            tries = [r.trie or PrefixTrie([encoded[r.utt][j] for j in r.hyps]) for r in batch]
+            tokens, lengths = pad_batch([t.node_token[1:] for t in tries], self.device)
+            parents, _ = pad_batch([[p - 1 for p in t.node_parent[1:]] for t in tries], self.device)
+            logp = self.model.score_tree(tokens, parents, lengths, max_work_bytes=self.max_work_bytes)
+            logp = logp.double().cpu().numpy()
+            for r, (row, trie) in enumerate(zip(batch, tries)):
+                node_logp = np.concatenate([[0.0], logp[r, : trie.n_nodes]])
+                for j, path in zip(row.hyps, trie.node_paths):
+                    out[row.utt][j] = node_logp[path]
+                self.tokens_computed += trie.n_nodes
+        self.tokens_total += sum(len(s) for hyps in encoded for s in hyps)
 
     def _score_rows(self, seqs, parent_state, parent_rows):
         """Score padded rows, each continuing row `parent_rows[i]` of `parent_state`
@@ -325,6 +440,36 @@ class NeuralScorer:
                 k += 1
         self.tokens_total += sum(len(s) for s in seqs)
         self.tokens_computed += trie.n_nodes
+
+
+@dataclass
+class _TreeRow:
+    """One row of a tree-attention batch: the trie over hypotheses `hyps` of utterance
+    `utt`, all of them or a sub-trie's; `trie` is built when the row runs if not before."""
+
+    utt: int
+    hyps: list[int]
+    size: TreeSize
+    trie: PrefixTrie | None = None
+
+
+def _grown(size: TreeSize, prev: Sequence[int] | None, seq: Sequence[int]) -> TreeSize:
+    """The size of a one-row trie over sorted sequences, of size `size` and ending in `prev`
+    (None: empty), once `seq` (>= prev) joins it: `seq` adds its length less the prefix it
+    shares with prev, and a leaf unless it repeats prev; prev's end stops being a leaf
+    when `seq` extends it."""
+    if prev is None:
+        return TreeSize(1, len(seq), len(seq), len(seq), len(seq) + 1)
+    common = 0
+    for a, b in zip(prev, seq):
+        if a != b:
+            break
+        common += 1
+    path = size.path_len
+    if common < len(seq):
+        path += len(seq) + 1 - (len(prev) + 1 if common == len(prev) else 0)
+    new = len(seq) - common
+    return TreeSize(1, size.max_nodes + new, size.total_nodes + new, max(size.max_depth, len(seq)), path)
 
 
 def _length_batches(segs: list[int], tokens: list[list[int]], budget: int, slack: float = 2.0):

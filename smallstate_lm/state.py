@@ -140,8 +140,13 @@ class StatefulLM(Protocol):
     #: Tree attention, or None: score_tree(tokens (B, N), parents (B, N), lengths (B,) | None)
     #: -> (B, N) log p(node token | <s>, its ancestors) for every node of a prefix trie in
     #: one pass; parents[b, i] < i is a node's parent in its row, -1 right after `<s>`;
-    #: 0 at padding. Equals `score` along each root-to-node path.
+    #: 0 at padding. Equals `score` along each root-to-node path. `max_work_bytes=` bounds its
+    #: working memory (blocks of queries over an ancestor table instead of an N x N mask).
     score_tree: Callable[..., Tensor] | None
+
+    #: Present with score_tree: tree_plan(n_rows, max_nodes, total_nodes, max_depth, path_len,
+    #: max_work_bytes) -> the plan (one pass or blocked) and its working bytes, before any work.
+    tree_plan: Callable[..., Any] | None
 
     #: Full distributions, or None: log_probs_all(tokens (B, T), state, lengths | None)
     #: -> (logp (B, T, V), state after the tokens), logp[b, t] = log p(. | history,

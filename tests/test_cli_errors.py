@@ -96,3 +96,59 @@ def test_eval_json_reports_what_the_issue_asks(trained, small_corpus):
         assert key in r
     assert "</s>" in r["convention"] and "<unk>" in r["convention"]
     assert r["tokens"] == r["words"] + r["sentences"]
+
+
+def test_unsafe_pickle_names_the_refused_global_and_gives_no_unsafe_advice(small_corpus, tmp_path):
+    import os
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    bad = tmp_path / "evil.pt"
+    torch.save({"format": "smallstate-lm/1", "model": Evil()}, bad)
+    proc = run_cli("eval", "--model", bad, "--text", small_corpus[1])
+    assert_clean_error(proc, str(bad), "system")
+    assert "weights_only" not in proc.stderr and "pwned" not in proc.stdout
+
+
+LATTICES = Path(__file__).resolve().parent / "data" / "lattices"
+
+
+def _rescore_lattices(tiny_lm_dir, out, *inputs):
+    return run_cli("rescore", *inputs, "--words", LATTICES / "words.txt", "--lm", tiny_lm_dir, "--device", "cpu",
+                   "-o", out, "--quiet")
+
+
+def test_directory_among_lattice_inputs_is_that_inputs_error(tiny_lm_dir, tmp_path):
+    named = tmp_path / "dir.lat.fst"
+    plain = tmp_path / "plain"
+    named.mkdir()
+    plain.mkdir()
+    out = tmp_path / "out"
+    proc = _rescore_lattices(tiny_lm_dir, out, LATTICES / "slt-dev0004.lat.fst", named, plain)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 2 and all(x.startswith("error:") and "is a directory" in x for x in lines), proc.stderr
+    assert str(named) in lines[0] and str(plain) in lines[1]
+    assert (out / "best.txt").read_text().startswith("slt-dev0004 ")
+    assert len((out / "nbest.jsonl").read_text().splitlines()) == 1
+
+
+def test_run_where_every_lattice_fails_writes_no_outputs(tiny_lm_dir, tmp_path):
+    cut = tmp_path / "cut.lat.fst"
+    cut.write_bytes((LATTICES / "slt-dev0004.lat.fst").read_bytes()[:3000])
+    (tmp_path / "text.lat.fst").write_text("0 1 1 1\n")
+    out = tmp_path / "out"
+    proc = _rescore_lattices(tiny_lm_dir, out, cut, tmp_path / "text.lat.fst")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert all(x.startswith("error:") for x in lines) and "cut.lat.fst" in lines[0], proc.stderr
+    assert not (out / "best.txt").exists() and not (out / "nbest.jsonl").exists()
+
+
+def test_serve_with_a_bad_checkpoint_is_one_line(tmp_path):
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(b"this is not a checkpoint at all" * 10)
+    proc = run_cli("serve", "--lm", bad, "--port", "0", "--device", "cpu", timeout=120)
+    assert_clean_error(proc, str(bad), "corrupt")

@@ -289,3 +289,70 @@ def test_symbol_table_errors_name_file_and_line(tmp_path, body, needle):
         SymbolTable.read(tmp_path / "words.txt")
     assert needle in str(e.value)
 
+
+
+# ------------------------------------------------------------------------------------ damaged binary lattices
+
+def _state_offsets(data: bytes) -> list[int]:
+    """Where each state record (final weight, arc count, arcs) of a lattice4 vector FST starts."""
+    import struct
+
+    pos = 4
+    for _ in range(2):
+        pos += 4 + struct.unpack_from("<i", data, pos)[0]
+    num_states = struct.unpack_from("<q", data, pos + 24)[0]
+    pos += 40
+    out = []
+    for _ in range(num_states):
+        out.append(pos)
+        pos += 16 + 20 * struct.unpack_from("<q", data, pos + 8)[0]
+    return out
+
+
+def _damaged(tmp_path, at: int, patch: bytes, name: str = "bad.lat.fst"):
+    data = bytearray((LAT / "slt-dev0004.lat.fst").read_bytes())
+    data[at: at + len(patch)] = patch
+    (tmp_path / name).write_bytes(bytes(data))
+    return tmp_path / name
+
+
+def _read_error(path, words) -> str:
+    with pytest.raises(LatticeFormatError) as e:
+        read_fst(path, words)
+    msg = str(e.value)
+    assert msg.startswith(str(path))
+    return msg
+
+
+def test_garbled_arc_count_is_corrupt_not_truncated(words, tmp_path):
+    import struct
+
+    data = (LAT / "slt-dev0004.lat.fst").read_bytes()
+    state = _state_offsets(data)[10]
+    for narcs in (1_000_000, -3):
+        msg = _read_error(_damaged(tmp_path, state + 8, struct.pack("<q", narcs)), words)
+        assert "state 10" in msg and "corrupt" in msg and "truncated" not in msg, msg
+
+
+@pytest.mark.parametrize("frac", [0.3, 0.5, 0.8])
+def test_garbled_bytes_in_the_middle_are_corrupt_not_truncated(words, tmp_path, frac):
+    size = (LAT / "slt-dev0004.lat.fst").stat().st_size
+    msg = _read_error(_damaged(tmp_path, int(size * frac), b"\xab" * 64), words)
+    assert "corrupt" in msg and "truncated" not in msg, msg
+
+
+@pytest.mark.parametrize("at,patch,needle", [
+    (8 + 6 + 4, b"lattXce4", "arc type 'lattXce4'"),  # after the magic, "vector" and the arc type's length
+    (8 + 6 + 4 + 8 + 16, b"\x88\x13" + b"\x00" * 6, "start state 5000"),  # kaldifst crashed on this
+    (8 + 6 + 4 + 8 + 24, b"\xff" * 7 + b"\x00", "states"),  # num_states: 2**56 - 1
+])
+def test_garbled_header_says_what_is_wrong(words, tmp_path, at, patch, needle):
+    msg = _read_error(_damaged(tmp_path, at, patch), words)
+    assert needle in msg and "truncated" not in msg, msg
+
+
+def test_truncated_inside_the_arcs_still_says_truncated(words, tmp_path):
+    data = (LAT / "slt-dev0004.lat.fst").read_bytes()
+    (tmp_path / "cut.lat.fst").write_bytes(data[: _state_offsets(data)[50] + 16 + 7])
+    msg = _read_error(tmp_path / "cut.lat.fst", words)
+    assert "state 50" in msg and "(truncated" in msg, msg

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +213,8 @@ class LanguageModel(nn.Module):
 
     cfg: ModelConfig
     score_tree: Callable[..., Tensor] | None = None
+    # Present with score_tree: its plan and working memory for a batch of tries, before any work.
+    tree_plan: Callable[..., Any] | None = None
     log_probs_all: Callable[..., tuple[Tensor, LMState]] | None = None
     aux_loss: Callable[[], Tensor] | None = None
     after_step: Callable[[], None] | None = None

@@ -12,6 +12,11 @@ token of a row is the number of valid positions in its cache. Attention then dep
 only on the distance between query and key, which keeps every cache operation that
 reorders or pads positions (compact, cat, assemble) and tree attention (positions =
 depth in the trie) exact.
+
+Tree attention runs a trie in one dense pass while its (N+1) x (N+1) ancestor mask fits
+the caller's memory cap; past it, in blocks of nodes that attend to their ancestors'
+keys only, gathered from a table of root-to-leaf paths: memory linear in the trie
+(`tree_plan` says which, and how much).
 """
 
 from __future__ import annotations
@@ -24,8 +29,18 @@ from torch import Tensor
 
 from ..state import LMState, length_mask
 from ..vocab import BOS_ID
-from .base import Block, PendingTokenLM, SelfAttention, causal_mask, embed_tokens, init_weights, rotary_tables
+from .base import (
+    Block,
+    PendingTokenLM,
+    SelfAttention,
+    apply_rotary,
+    causal_mask,
+    embed_tokens,
+    init_weights,
+    rotary_tables,
+)
 from .config import ModelConfig
+from .output import LOGIT_BUDGET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +142,94 @@ class TransformerState(LMState):
                                 mask=None if bool(new_mask.all()) else new_mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class TreePlan:
+    """How `score_tree` runs a batch of tries under a memory cap: one dense pass, or
+    (`blocked`) its positions in blocks of `block` queries, each attending to its
+    ancestors only. `nbytes` bounds the tensors the call holds at once, its inputs and
+    output included; above the cap it is the smallest plan's (the batch cannot run)."""
+
+    blocked: bool
+    block: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeForest:
+    """The tries of a `score_tree` batch as one forest of M positions without padding:
+    each row's `<s>` (a root), then its real nodes.
+
+    inputs (M,): token ids, `<s>` at roots. up (M,): each position's parent; a root is
+    its own. depth (M,): 0 at roots. node (R,): the position of each real node, in the
+    order of `real.nonzero()`. paths (P,): every leaf's positions from its root down,
+    concatenated. path_start (M,): where a path through each position starts in `paths`,
+    so that its ancestor at depth j is paths[path_start + j]."""
+
+    inputs: Tensor
+    up: Tensor
+    depth: Tensor
+    node: Tensor
+    paths: Tensor
+    path_start: Tensor
+
+
+def forest_depths(up: Tensor) -> Tensor:
+    """(M,) each position's number of ancestors in the forest `up` (M,) (roots are their
+    own parent), by pointer jumping: log2(depth) rounds over M positions."""
+    depth = (up != torch.arange(len(up), device=up.device)).long()  # (M,) steps to `jump`
+    jump = up
+    while True:
+        nxt = jump[jump]
+        if bool((nxt == jump).all()):  # every position jumps to its root
+            return depth
+        depth = depth + depth[jump]
+        jump = nxt
+
+
+def tree_forest(tokens: Tensor, par: Tensor, real: Tensor) -> TreeForest:
+    """The `TreeForest` of tokens (B, N), par (B, N) (parent positions, 0 = `<s>`) and
+    real (B, N) (a length mask: real nodes come first in their row)."""
+    dev = tokens.device
+    counts = real.sum(1) + 1  # (B,) positions of a row: its <s> and its real nodes
+    starts = torch.cumsum(counts, 0) - counts  # (B,) the position of each row's <s>
+    M = int(counts.sum())
+    b_idx, n_idx = real.nonzero(as_tuple=True)  # (R,)
+    node = starts[b_idx] + 1 + n_idx  # (R,)
+    inputs = torch.full((M,), BOS_ID, dtype=torch.long, device=dev)
+    inputs[node] = tokens[b_idx, n_idx]
+    up = torch.arange(M, device=dev)
+    up[node] = starts[b_idx] + par[b_idx, n_idx]
+    depth = forest_depths(up)
+    has_child = torch.zeros(M, dtype=torch.bool, device=dev)
+    has_child[up[node]] = True
+    leaf = (~has_child).nonzero()[:, 0]  # (L,)
+    size = depth[leaf] + 1  # (L,) positions on each leaf's path
+    leaf_start = torch.cumsum(size, 0) - size  # (L,)
+    paths = torch.empty(int(size.sum()), dtype=torch.long, device=dev)
+    path_start = torch.empty(M, dtype=torch.long, device=dev)
+    cur = leaf
+    # All leaves climb at once; one that has reached its root writes the root again (harmless).
+    for _ in range(int(size.max())):
+        paths[leaf_start + depth[cur]] = cur
+        path_start[cur] = leaf_start  # any leaf below a position serves it
+        cur = up[cur]
+    return TreeForest(inputs, up, depth, node, paths, path_start)
+
+
+def rope_rows(positions: Tensor, dh: int) -> tuple[Tensor, Tensor]:
+    """Rotary tables for a flat list of positions (Q,): (cos, sin), each (Q, 1, dh), to
+    rotate (Q, H, dh) queries or keys."""
+    cos, sin = rotary_tables(positions[None], dh)  # (1, 1, Q, dh) each
+    return cos[0, 0, :, None], sin[0, 0, :, None]  # (Q, 1, dh)
+
+
+# score_tree's bytes per (row, node) for its int64 inputs, their masked copies and the
+# float output (with the float64 copy a caller makes of it).
+TREE_ROW_BYTES = 80
+# Bytes per forest position for its index tables and their temporaries (sort, nonzero).
+TREE_FOREST_BYTES = 192
+
+
 def make_layer(cfg: ModelConfig) -> Block:
     """One self-attention sublayer followed by `ff_per_layer` feed-forward sublayers."""
     return Block(cfg, SelfAttention(cfg))
@@ -157,7 +260,8 @@ class TransformerLM(PendingTokenLM):
             last=torch.full((batch_size,), BOS_ID, dtype=torch.long, device=device),
         )
 
-    def score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None) -> Tensor:
+    def score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None,
+                   max_work_bytes: int | None = None) -> Tensor:
         """Score a prefix trie in one pass ("tree attention"): every node attends to
         itself and its ancestors only, which is exact here because the model has no
         positional encoding, or rotary positions taken from each node's depth.
@@ -165,6 +269,8 @@ class TransformerLM(PendingTokenLM):
         tokens: (B, N) the nodes of each row's trie, parents before children.
         parents: (B, N) index of each node's parent in the same row, -1 for nodes
         that follow `<s>` directly. lengths: optional (B,) number of real nodes.
+        max_work_bytes: cap on the working memory (see `tree_plan`); None: one dense
+        pass whatever the size. ValueError when even blocks of one query exceed it.
         Returns (B, N) natural-log p(node token | <s>, ancestors); 0 at padding.
         """
         if tokens.shape != parents.shape or tokens.dim() != 2:
@@ -177,8 +283,66 @@ class TransformerLM(PendingTokenLM):
         real = length_mask(lengths, N)  # (B, N)
         tokens = tokens.masked_fill(~real, 0)
         par = torch.where(real, parents, -1) + 1  # (B, N) parent position in the input; 0 = <s>
-        if bool((par > torch.arange(1, N + 1, device=dev)[None]).any()):
+        # node i sits at input position i + 1, so its parent's position must be in 0..i
+        if bool(((par < 0) | (par > torch.arange(N, device=dev)[None])).any()):
             raise ValueError("every parent must come before its child in the row")
+        n_real = int(lengths.sum())
+        # tree_plan's first choice, which needs no forest: the dense pass when it fits
+        if max_work_bytes is None or B == 0 or self._dense_tree_bytes(B, N, n_real) <= max_work_bytes:
+            return self._score_tree_dense(tokens, par, real)
+        forest = tree_forest(tokens, par, real)
+        plan = self.tree_plan(B, N, n_real, int(forest.depth.max()), len(forest.paths), max_work_bytes)
+        if plan.nbytes > max_work_bytes:
+            raise ValueError(f"these tries need {plan.nbytes} bytes of working memory even in blocks of one "
+                             f"node, more than max_work_bytes={max_work_bytes}")
+        return self._score_tree_blocked(forest, real, plan.block)
+
+    # ---- what tree attention costs ---------------------------------------------------
+    def tree_plan(self, n_rows: int, max_nodes: int, total_nodes: int, max_depth: int, path_len: int,
+                  max_work_bytes: int | None = None) -> TreePlan:
+        """The plan `score_tree` follows, known before any work, for `n_rows` tries padded to
+        `max_nodes` nodes with `total_nodes` real nodes in all, the deepest node at
+        `max_depth` (1 right after `<s>`), and `path_len` = the sum over their leaves of
+        depth + 1 (1 for an empty trie). The dense pass when it fits the cap (or there is
+        none), else the largest blocks that fit."""
+        dense = self._dense_tree_bytes(n_rows, max_nodes, total_nodes)
+        if max_work_bytes is None or dense <= max_work_bytes:
+            return TreePlan(False, 0, dense)
+        c = self.cfg
+        M = total_nodes + n_rows  # forest positions: every real node and each row's <s>
+        fixed = (TREE_ROW_BYTES * n_rows * max_nodes + TREE_FOREST_BYTES * M + 8 * path_len
+                 + 4 * c.d_model * (2 if c.shared_kv else 3) * M  # the stream and one layer's keys (values)
+                 + 4 * c.vocab_size * (c.embed_dim + 1))  # the output layer's augmented weight
+        # a query's ancestor slot: its indices and mask, gathered key (and value) plus the copy
+        # attention may make, float mask, and per head score and probability
+        slot = 29 + 8 * c.n_heads + 8 * c.d_model * (1 if c.shared_kv else 2)
+        per_query = self._tree_position_bytes() + slot * (max_depth + 1) + 4 * c.vocab_size
+        block = max(1, min(M, (max_work_bytes - fixed) // per_query))
+        return TreePlan(True, block, fixed + block * per_query)
+
+    def _dense_tree_bytes(self, n_rows: int, max_nodes: int, total_nodes: int) -> int:
+        """Bytes of the dense pass over `n_rows` tries padded to `max_nodes` nodes: per (row,
+        query, key) the bool ancestor mask, the float mask attention makes of it, and per head
+        the scores and their softmax where the kernel materialises them (the math path does)."""
+        c, n_pos = self.cfg, n_rows * (max_nodes + 1)
+        logit_rows = min(total_nodes, max(1, LOGIT_BUDGET // c.vocab_size))
+        return (n_pos * (max_nodes + 1) * (5 + 8 * c.n_heads) + n_pos * self._tree_position_bytes()
+                + TREE_ROW_BYTES * n_rows * max_nodes + 4 * total_nodes * (2 * c.d_model + 2 * c.embed_dim + 7)
+                + 4 * logit_rows * c.vocab_size + 4 * c.vocab_size * (c.embed_dim + 1))
+
+    def _tree_position_bytes(self) -> int:
+        """Activations per position of one layer (and the embedding and output): the stream,
+        its norm, q, k, v, their rotations, attention output and its reshape, the
+        feed-forward hidden layer, rotary tables; generous, as an upper bound."""
+        c = self.cfg
+        return 4 * (16 * c.d_model + c.d_ff + 2 * c.embed_dim + 4 * (c.d_model // c.n_heads))
+
+    # ---- tree attention ------------------------------------------------------------
+    def _score_tree_dense(self, tokens: Tensor, par: Tensor, real: Tensor) -> Tensor:
+        """score_tree in one pass over each row's whole trie, with an (N+1) x (N+1)
+        ancestor-or-self mask. tokens, par, real: (B, N) as prepared by score_tree."""
+        B, N = tokens.shape
+        dev = tokens.device
         inputs = torch.cat([torch.full((B, 1), BOS_ID, dtype=torch.long, device=dev), tokens], 1)  # (B, N+1)
         # ancestor-or-self mask, built by walking every node up to <s> (depth steps)
         up = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), par], 1)  # (B, N+1) parent of each position
@@ -205,6 +369,72 @@ class TransformerLM(PendingTokenLM):
         logp = torch.zeros(B, N, dtype=torch.float32, device=dev)
         logp[b_idx, n_idx] = self.output.target_logprob(h_par, tokens[b_idx, n_idx])
         return logp
+
+    def _score_tree_blocked(self, f: TreeForest, real: Tensor, block: int) -> Tensor:
+        """score_tree over the forest `f` in blocks of `block` positions: per layer every
+        position's keys (and values), then each block of queries attends to its own
+        ancestors only. Nothing grows with the square of the trie. Returns (B, N)."""
+        M, dev = len(f.inputs), f.inputs.device
+        x = torch.empty(M, self.cfg.d_model, dtype=self.norm.weight.dtype, device=dev)  # (M, d) the stream
+        for s in range(0, M, block):
+            x[s : s + block] = self.drop(embed_tokens(self, f.inputs[s : s + block]))
+        # queries of equal depth share a block, so a block gathers few padded ancestor slots
+        order = torch.argsort(f.depth, stable=True)  # (M,)
+        keys = values = None
+        for layer in self.layers:
+            keys, values = self._tree_keys(layer, x, f.depth, block, keys, values)
+            for s in range(0, M, block):
+                q = order[s : s + block]
+                x[q] = self._tree_attend(layer, x[q], f, q, keys, values)
+        keys = values = None
+        node_logp = torch.empty(len(f.node), dtype=torch.float32, device=dev)  # (R,)
+        for s in range(0, len(f.node), block):
+            nodes = f.node[s : s + block]
+            # the output at a node's parent predicts it; LayerNorm is per row, so norm after gathering
+            node_logp[s : s + block] = self.output.target_logprob(self.norm(x[f.up[nodes]]), f.inputs[nodes])
+        logp = torch.zeros(real.shape, dtype=torch.float32, device=dev)  # (B, N)
+        logp[real] = node_logp  # f.node follows real.nonzero(), i.e. row-major order
+        return logp
+
+    def _tree_keys(self, layer: Block, x: Tensor, depth: Tensor, block: int, keys: Tensor | None,
+                   values: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Every position's keys and values (None with shared_kv) for `layer`, each (M, H, Dh),
+        written block by block into the buffers of the layer before (None: new ones)."""
+        attn = layer.attn
+        for s in range(0, len(x), block):
+            h = layer.norm(x[s : s + block])  # (C, d)
+            k = attn.k(h).view(len(h), attn.h, attn.dh)  # (C, d) -> (C, H, Dh)
+            if self.cfg.pos == "rotary":
+                k = apply_rotary(k, *rope_rows(depth[s : s + block], attn.dh))
+            if keys is None:
+                keys = k.new_empty(len(x), attn.h, attn.dh)
+            keys[s : s + block] = k
+            if attn.v is not None:
+                v = attn.v(h).view(len(h), attn.h, attn.dh)  # (C, d) -> (C, H, Dh)
+                if values is None:
+                    values = v.new_empty(len(x), attn.h, attn.dh)
+                values[s : s + block] = v
+        return keys, values
+
+    def _tree_attend(self, layer: Block, xq: Tensor, f: TreeForest, q_pos: Tensor, keys: Tensor,
+                     values: Tensor | None) -> Tensor:
+        """`layer` for the queries at positions q_pos (Q,) with stream rows xq (Q, d): each
+        attends to its ancestors and itself, gathered through the path table. Returns (Q, d)."""
+        attn = layer.attn
+        Q, d = xq.shape
+        q = attn.q(layer.norm(xq)).view(Q, attn.h, attn.dh)  # (Q, d) -> (Q, H, Dh)
+        depth = f.depth[q_pos]  # (Q,)
+        if self.cfg.pos == "rotary":
+            q = apply_rotary(q, *rope_rows(depth, attn.dh))
+        slots = torch.arange(int(depth.max()) + 1, device=xq.device)  # (Dq,) ancestor depths, <s> first
+        valid = slots[None] <= depth[:, None]  # (Q, Dq)
+        anc = f.paths[torch.where(valid, f.path_start[q_pos, None] + slots, 0)].view(-1)  # (Q, Dq) -> (Q*Dq,)
+        # index_select: a plain row gather, faster on CPU than advanced indexing
+        k = keys.index_select(0, anc).view(Q, -1, attn.h, attn.dh).transpose(1, 2)  # (Q*Dq, H, Dh) -> (Q, H, Dq, Dh)
+        v = k if values is None else values.index_select(0, anc).view(Q, -1, attn.h, attn.dh).transpose(1, 2)  # as k
+        y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None],
+                                           dropout_p=attn.dropout if self.training else 0.0)  # (Q, H, 1, Dh)
+        return layer.residual(attn.o(y.reshape(Q, d)), xq)  # (Q, H, 1, Dh) -> (Q, d)
 
     # ---- internals -----------------------------------------------------------------
     def _run(self, tokens, state: TransformerState, lengths, include_last: bool):

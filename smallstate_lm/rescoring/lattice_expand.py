@@ -419,11 +419,17 @@ class LatticeRescorer:
         return next(iter(self.expand_many([lat])))[1]
 
     @torch.no_grad()
-    def expand_many(self, lats, on_error=None):
+    def expand_many(self, lats, on_error=None, should_stop=None, pause: bool = False):
         """Yield (index, ExpandedLattice) as lattices finish (not in input order).
         `lats` may be an iterable of Lattice or of callables returning one; a
         SmallstateError from preparing one is passed to `on_error(index, error)`
-        (raised when no handler is given) and that lattice is skipped."""
+        (raised when no handler is given) and that lattice is skipped.
+
+        `should_stop(index) -> bool`, when given, is asked before a lattice starts and
+        between levels: True drops that lattice (nothing is yielded for it) and frees its
+        states, so a server stops the work of a request that was cancelled or ran out of
+        time. With `pause`, None is also yielded after every level: a caller may stop
+        iterating there, do other work, and resume the expansion later."""
         from ..errors import SmallstateError
 
         objs: dict[int, object] = {}
@@ -441,6 +447,8 @@ class LatticeRescorer:
                 except StopIteration:
                     exhausted = True
                     break
+                if should_stop is not None and should_stop(i):
+                    continue
                 try:
                     x = _Expansion(self, item() if callable(item) else item)
                 except SmallstateError as e:
@@ -482,7 +490,7 @@ class LatticeRescorer:
                         if on_error is None:
                             raise
                         on_error(i, e)
-                else:
+                elif should_stop is None or not should_stop(i):
                     still.append((i, x))
             active = still
             if self.model is not None:
@@ -490,6 +498,8 @@ class LatticeRescorer:
                 for k in list(objs):
                     if k not in refs_live:
                         del objs[k]
+            if pause:
+                yield None
 
     def _gather(self, refs: list[tuple], objs: dict[int, object]):
         """One state with row i = refs[i] = (object, row), across state objects."""

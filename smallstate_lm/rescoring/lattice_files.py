@@ -87,9 +87,9 @@ class LatticeResult:
 class LatticeOutputs:
     """Collects `LatticeResult`s in any order and writes the run's outputs under `out`:
     `lattices/<name>.lat.fst` as each result arrives, then on `finish()` best.txt,
-    nbest.jsonl and (with `refs`) wer.txt in the order of `paths`. Every file is
-    written atomically, and nothing is created before the first output (a run that
-    fails to start leaves no directory behind). A failed result is counted, reported through
+    nbest.jsonl and (with `refs`) wer.txt in the order of `paths`, unless every result
+    failed. Every file is written atomically, and nothing is created before the first
+    output (a run that fails to start leaves no directory behind). A failed result is counted, reported through
     `on_error(path, message)` and skipped."""
 
     def __init__(self, paths: Sequence[Path], out: Path, refs: dict[str, list[str]] | None = None,
@@ -129,22 +129,27 @@ class LatticeOutputs:
             write_fst(self.out / "lattices" / f"{r.name}.lat.fst", r.lattice)
 
     def finish(self, lm_calls: int = 0) -> LatticeRunSummary:
-        """Write best.txt, nbest.jsonl and wer.txt; `lm_calls` is the number of batched
-        LM calls the run made (for the summary line)."""
+        """Write nbest.jsonl, best.txt and wer.txt, or nothing when no lattice was rescored;
+        `lm_calls` is the number of batched LM calls the run made (for the summary line)."""
         self.bar.close()
-        summary, out = self.summary, self.out
+        summary = self.summary
         summary.lm_calls = lm_calls
+        if self.best:  # when every lattice failed, nothing: an empty best.txt would pass for a result
+            self._write(summary)
+        summary.seconds = time.perf_counter() - self.t0
+        return summary
+
+    def _write(self, summary: LatticeRunSummary) -> None:
+        out = self.out
         order = {utterance_id(p): k for k, p in enumerate(self.paths)}
         best = dict(sorted(self.best.items(), key=lambda kv: order.get(kv[0], 0)))
         self.nbest_utts.sort(key=lambda u: order.get(u.utt, 0))
+        # nbest.jsonl first: its writer refuses non-finite scores, and then best.txt is not written either
+        write_nbest_jsonl(out / "nbest.jsonl", self.nbest_utts)
         write_text(out / "best.txt", best)
-        if self.nbest_utts:
-            write_nbest_jsonl(out / "nbest.jsonl", self.nbest_utts)
-        if self.refs is not None and best:
+        if self.refs is not None:
             total, fp = write_wer_report(out / "wer.txt", self.refs, best, self.first)
             summary.wer, summary.first_pass_wer = total.to_dict(), fp.to_dict()
-        summary.seconds = time.perf_counter() - self.t0
-        return summary
 
 
 def rescore_lattices(paths: Sequence[Path], symbols: SymbolTable | None, rescorer: LatticeRescorer, nbest: int = 10,

@@ -125,13 +125,24 @@ def read_fst_text(text: str, symbols: SymbolTable, name: str = "<text>") -> Latt
     return _parse_fst_text(text, symbols, name, name, line_numbers=True)
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise LatticeFormatError(f"{path}: lattice file not found") from None
+    except OSError as e:  # a directory, no permission: still one file's error, not the run's
+        raise LatticeFormatError(f"{path}: cannot read the lattice file ({e.strerror})") from None
+
+
 _FST_MAGIC = 2125659606
 _ARC_SIZES = {"lattice4": (20, 8), "standard": (16, 4)}  # bytes per arc, bytes per final weight
+_MAX_STATES = 2**31 - 1  # state ids are int32 in both arc types
 
 
 def _read_fst_header(path: Path, data: bytes) -> str:
-    """Check the OpenFST header (and for a vector FST without symbol tables, the exact file size);
-    return the arc type. Done here so that bad files get a clear error rather than kaldifst's stderr."""
+    """Check the OpenFST header (and for a vector FST without symbol tables, every state record
+    and arc); return the arc type. Done here so that bad files get an error saying what is wrong
+    rather than kaldifst's stderr, or a crash (kaldifst trusts the start state)."""
     def fail(msg: str) -> LatticeFormatError:
         return LatticeFormatError(f"{path}: {msg}")
 
@@ -146,35 +157,89 @@ def _read_fst_header(path: Path, data: bytes) -> str:
         pos += size
         return out
 
-    def string() -> str:
+    def string(what: str) -> str:
         (n,) = take("<i")
         if not 0 <= n <= 256:
-            raise fail("corrupt OpenFST header")
+            raise fail(f"corrupt OpenFST header: the {what} has length {n}; expected a short name")
         (raw,) = take(f"<{n}s")
         return raw.decode("ascii", "replace")
 
     if len(data) < 4 or struct.unpack_from("<i", data)[0] != _FST_MAGIC:
         raise fail("not a binary OpenFST file (bad magic number)")
     pos = 4
-    fst_type, arc_type = string(), string()
-    _version, flags, _props, _start, num_states, _num_arcs = take("<iiQqqq")
+    fst_type, arc_type = string("FST type"), string("arc type")
+    _version, flags, _props, start, num_states, _num_arcs = take("<iiQqqq")
     if arc_type not in _ARC_SIZES:
         raise fail(f"arc type {arc_type!r} is not supported (expected lattice4 or standard)")
     if fst_type != "vector":
         raise fail(f"FST type {fst_type!r} is not supported (expected vector)")
+    if not -1 <= num_states <= _MAX_STATES:  # -1: not counted in the header
+        raise fail(f"corrupt OpenFST header: {num_states} states; expected 0 to {_MAX_STATES}")
+    if num_states >= 0 and not (start == -1 or 0 <= start < num_states):
+        raise fail(f"corrupt OpenFST header: start state {start} is outside the {num_states} states")
     if flags & 0x3 == 0 and num_states >= 0:  # no symbol tables: the state records follow
         arc_bytes, weight_bytes = _ARC_SIZES[arc_type]
-        p = pos
-        for s in range(num_states):
-            if p + weight_bytes + 8 > len(data):
-                raise fail(f"file ends inside state {s} of {num_states} (truncated)")
-            (narcs,) = struct.unpack_from("<q", data, p + weight_bytes)
-            p += weight_bytes + 8 + narcs * arc_bytes
-            if narcs < 0 or p > len(data):
-                raise fail(f"file ends inside the arcs of state {s} of {num_states} (truncated)")
-        if p != len(data):
-            raise fail(f"{len(data) - p} unexpected bytes after the last state")
+        starts, counts, problem = _walk_fst_states(data, pos, num_states, arc_bytes, weight_bytes)
+        # a bad arc before the sizes go wrong means garbled data, whatever the sizes say after it
+        problem = _first_bad_arc(data, starts, counts, arc_bytes, num_states) or problem
+        if problem:
+            raise fail(problem)
     return arc_type
+
+
+def _walk_fst_states(data: bytes, pos: int, num_states: int, arc_bytes: int,
+                     weight_bytes: int) -> tuple[list[int], list[int], str | None]:
+    """The state records (final weight, int64 arc count, arcs) of a vector FST from byte `pos`:
+    where each state's arcs start, how many of them the file holds, and the first problem with
+    the sizes (None if they add up to the file's size exactly)."""
+    starts: list[int] = []
+    counts: list[int] = []
+    for s in range(num_states):
+        if pos == len(data):  # ends on a record boundary: a cut there and a garbled count look the same
+            return starts, counts, (f"file ends after {s} of the {num_states} states its header announces "
+                                    "(truncated, or a corrupt header)")
+        if pos + weight_bytes + 8 > len(data):
+            return starts, counts, f"file ends inside state {s} of {num_states} after {len(data)} bytes (truncated)"
+        (narcs,) = struct.unpack_from("<q", data, pos + weight_bytes)
+        if narcs < 0:
+            return starts, counts, f"corrupt file: state {s} of {num_states} has a negative arc count ({narcs})"
+        pos += weight_bytes + 8
+        starts.append(pos)
+        if pos + narcs * arc_bytes > len(data):
+            counts.append((len(data) - pos) // arc_bytes)
+            return starts, counts, (f"file ends inside the arcs of state {s} of {num_states} after {len(data)} "
+                                    "bytes (truncated)")
+        counts.append(narcs)
+        pos += narcs * arc_bytes
+    if pos != len(data):
+        return starts, counts, (f"corrupt file: {len(data) - pos} bytes after the last of its {num_states} states; "
+                                "expected the file to end there")
+    return starts, counts, None
+
+
+def _first_bad_arc(data: bytes, starts: list[int], counts: list[int], arc_bytes: int,
+                   num_states: int) -> str | None:
+    """The first arc (`ilabel olabel weight nextstate`) of the states found by `_walk_fst_states`
+    with a negative label or a next state outside the FST, described; None if there is none."""
+    n = np.asarray(counts, dtype=np.int64)  # (S,) arcs per state
+    if not n.sum():
+        return None
+    state = np.repeat(np.arange(n.size), n)  # (A,) each arc's state
+    k = np.arange(state.size) - (np.cumsum(n) - n)[state]  # (A,) each arc's index within its state
+    at = np.asarray(starts, dtype=np.int64)[state] + k * arc_bytes  # (A,) each arc's first byte
+    raw = np.frombuffer(data, dtype=np.uint8)
+
+    def int32(offsets: np.ndarray) -> np.ndarray:
+        return raw[offsets[:, None] + np.arange(4)].copy().view("<i4")[:, 0]  # (A,)
+
+    ilabel, olabel, dest = int32(at), int32(at + 4), int32(at + arc_bytes - 4)
+    bad = np.flatnonzero((ilabel < 0) | (olabel < 0) | (dest < 0) | (dest >= num_states))
+    if not bad.size:
+        return None
+    i = int(bad[0])
+    what = (f"its next state {dest[i]} is outside the {num_states} states" if not 0 <= dest[i] < num_states
+            else f"its label {min(ilabel[i], olabel[i])} is negative")
+    return f"corrupt file: arc {k[i]} of state {state[i]}: {what}; expected arcs 'ilabel olabel weight nextstate'"
 
 
 def read_fst(path: str | os.PathLike, symbols: SymbolTable) -> Lattice:
@@ -186,10 +251,7 @@ def read_fst(path: str | os.PathLike, symbols: SymbolTable) -> Lattice:
     import kaldifst
 
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise LatticeFormatError(f"{path}: lattice file not found") from None
+    data = _read_bytes(path)
     arc_type = _read_fst_header(path, data)
     fst = (kaldifst.Lattice if arc_type == "lattice4" else kaldifst.StdVectorFst).read(str(path))
     if fst is None:
@@ -270,10 +332,7 @@ def _slf_fields(line: str, where: str) -> dict[str, str]:
 
 def _slf_text(path: Path) -> str:
     """File contents as text; gzip is recognised by its magic bytes, not its name."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise LatticeFormatError(f"{path}: lattice file not found") from None
+    data = _read_bytes(path)
     if data[:2] == b"\x1f\x8b":
         chunks: list[bytes] = []
         rest = data
@@ -526,8 +585,10 @@ def read_lattice(path: str | os.PathLike, symbols: SymbolTable | None) -> Lattic
     """Read a lattice file in any format of LATTICE_FORMATS, named after the file (`utterance_id`)."""
     path = Path(path)
     fmt = lattice_format(path)
+    known = "; ".join(f.description for f in LATTICE_FORMATS)
+    if path.is_dir():
+        raise LatticeFormatError(f"{path}: is a directory; expected a lattice file ({known})")
     if fmt is None:
-        known = "; ".join(f.description for f in LATTICE_FORMATS)
         raise LatticeFormatError(f"{path}: unknown lattice format; expected {known}")
     if fmt.needs_symbols and symbols is None:
         raise LatticeFormatError(f"{path}: {fmt.description} lattices need the decoder's symbol table (--words)")

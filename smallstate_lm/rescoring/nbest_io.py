@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import SmallstateError
+from ..errors import ScoreError, SmallstateError
 from ..files import atomic_write_text, read_lines
 
 
@@ -168,9 +168,17 @@ def write_text(path: str | os.PathLike, items: dict[str, list[str]]) -> None:
 
 
 def write_nbest_jsonl(path: str | os.PathLike, utts: list[Utterance]) -> None:
+    """Raises ScoreError, and writes nothing, when a score is NaN or infinite: JSON has no
+    such numbers (json.dumps would write a bare NaN that no JSON reader accepts)."""
     lines = []
     for u in utts:
         hyps = [{"words": h.words, "am": h.am, "graph": h.graph, **({"id": h.id} if h.id is not None else {}),
                  **h.scores} for h in u.hyps]
-        lines.append(json.dumps({"utt": u.utt, "hyps": hyps}))
+        try:
+            lines.append(json.dumps({"utt": u.utt, "hyps": hyps}, allow_nan=False))
+        except ValueError:
+            bad = next((f"hypothesis {k}: {key}={v}" for k, h in enumerate(hyps) for key, v in h.items()
+                        if isinstance(v, float) and not math.isfinite(v)), "a score")
+            raise ScoreError(f"{path}: utterance {u.utt}: {bad} is not a finite number; nothing written "
+                             "(expected finite scores: is the LM checkpoint broken?)") from None
     atomic_write_text(Path(path), "\n".join(lines) + "\n")

@@ -1,0 +1,183 @@
+"""Tree attention within a memory cap (issue 15 item 1).
+
+One utterance of many long unique hypotheses made the one-pass tree attention build an
+(N+1) x (N+1) mask over its N trie nodes (40 GB for 1,000 hypotheses of 200 words). The
+scorer now plans every batch within `max_work_bytes` (blocks of queries over each node's
+ancestors, sub-tries when even that is too much) and gives the numbers of the unbounded
+pass and of plain per-hypothesis `score`.
+"""
+
+import random
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from smallstate_lm.errors import WorkLimitError
+from smallstate_lm.models import build_model, get_preset
+from smallstate_lm.models.transformer import tree_forest
+from smallstate_lm.scoring import DEFAULT_MAX_WORK_BYTES, NeuralScorer, PrefixTrie
+from smallstate_lm.state import length_mask
+from smallstate_lm.vocab import EOS_ID, Vocabulary
+
+MiB = 2**20
+TOL = 1e-5
+VOCAB = Vocabulary.build([[f"w{i}" for i in range(60)]])
+
+
+class TensorMemory(TorchDispatchMode):
+    """Peak bytes of the tensors alive at once among those the ops inside the mode create
+    (views and in-place results count once per storage). Scratch that a kernel allocates
+    and frees before it returns is not seen; every tensor a code path keeps is."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors holding it]
+        self.now = self.peak = 0
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.live:
+                    self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+                    self.now += self.live[ptr][0]
+                self.live[ptr][1] += 1
+                weakref.finalize(t, self._release, ptr)
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def tiny_model(**extra):
+    cfg = get_preset("tiny").replace(vocab_size=len(VOCAB), d_model=32, n_heads=4, d_ff=64, d_embed=16,
+                                     dropout=0.0, **extra)
+    torch.manual_seed(0)
+    return build_model(cfg).eval()
+
+
+def long_hypotheses(n: int, length: int, seed: int = 0) -> list[list[str]]:
+    """n unique hypotheses of `length` words in a few families sharing 10-30 word prefixes,
+    plus a repeat and a hypothesis that is a word prefix of another."""
+    rng = random.Random(seed)
+    stems = [[f"w{rng.randrange(60)}" for _ in range(rng.randrange(10, 30))] for _ in range(4)]
+    hyps = []
+    while len(hyps) < n:
+        stem = stems[len(hyps) % 4]
+        h = stem + [f"w{rng.randrange(60)}" for _ in range(length - len(stem))]
+        if h not in hyps:
+            hyps.append(h)
+    return hyps + [hyps[0], hyps[1][:-5]]
+
+
+def measured(scorer: NeuralScorer, groups):
+    with TensorMemory() as mem:
+        out = scorer.token_logprobs(groups)
+    return out, mem.peak
+
+
+def trie_rows(seqs_per_row):
+    """score_tree's inputs for tries over token sequences: tokens, parents, lengths."""
+    tries = [PrefixTrie(s) for s in seqs_per_row]
+    N = max(t.n_nodes for t in tries)
+    tokens = torch.zeros(len(tries), N, dtype=torch.long)
+    parents = torch.zeros(len(tries), N, dtype=torch.long)
+    for b, t in enumerate(tries):
+        tokens[b, : t.n_nodes] = torch.tensor(t.node_token[1:])
+        parents[b, : t.n_nodes] = torch.tensor(t.node_parent[1:]) - 1
+    return tries, tokens, parents, torch.tensor([t.n_nodes for t in tries])
+
+
+@pytest.mark.parametrize("extra", [{}, {"shared_kv": True}, {"pos": "rotary"}], ids=["kv", "shared-kv", "rotary"])
+@torch.no_grad()
+def test_blocked_tree_attention_equals_the_dense_pass_and_each_path(extra):
+    model = tiny_model(**extra)
+    rows = [[VOCAB.encode(h) + [EOS_ID] for h in long_hypotheses(n, 30, seed)] for n, seed in ((12, 1), (5, 2))]
+    tries, tokens, parents, lengths = trie_rows(rows)
+    cap = MiB
+    size = tries[0].size + tries[1].size
+    plan = model.tree_plan(size.n_rows, size.max_nodes, size.total_nodes, size.max_depth, size.path_len, cap)
+    assert plan.blocked and plan.nbytes <= cap
+    dense = model.score_tree(tokens, parents, lengths)
+    with TensorMemory() as mem:
+        blocked = model.score_tree(tokens, parents, lengths, max_work_bytes=cap)
+    assert mem.peak <= cap
+    assert (blocked - dense).abs().max() <= TOL and (blocked[1, lengths[1]:] == 0).all()
+    for b, trie in enumerate(tries):
+        for seq, path in zip(rows[b], trie.node_paths):
+            ref, _ = model.score(torch.tensor([seq]), model.initial_state(1))
+            assert (blocked[b, [p - 1 for p in path]] - ref[0]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("cap_mib,split", [(1, True), (4, False)], ids=["sub-tries", "one-blocked-row"])
+def test_scorer_stays_under_the_cap_and_equals_the_unbounded_tree(cap_mib, split):
+    model = tiny_model()
+    groups = [long_hypotheses(40, 60), long_hypotheses(3, 20, seed=5)]
+    cap = cap_mib * MiB
+    unbounded, peak_unbounded = measured(NeuralScorer(model, VOCAB, max_work_bytes=None), groups)
+    assert peak_unbounded > 16 * MiB  # the one-pass tree's (N+1)^2 mask: what the cap is for
+
+    scorer = NeuralScorer(model, VOCAB, max_work_bytes=cap)
+    cost = scorer.estimate_cost(groups)
+    got, peak = measured(scorer, groups)
+    assert peak <= cost.nbytes <= cap
+    padded = NeuralScorer(model, VOCAB, share_prefixes=False).token_logprobs(groups)
+    for u in range(len(groups)):
+        for a, b, c in zip(got[u], unbounded[u], padded[u]):
+            assert abs(a - b).max() <= TOL and abs(a - c).max() <= TOL
+    trie_nodes = sum(PrefixTrie([scorer.encode(h) for h in hyps]).n_nodes for hyps in groups)
+    assert cost.trie_nodes == trie_nodes
+    tokens = sum(len(scorer.encode(h)) for hyps in groups for h in hyps)
+    assert NeuralScorer(model, VOCAB, share_prefixes=False).estimate_cost(groups).trie_nodes == tokens
+    # sub-tries run their shared prefixes once each; one blocked row runs every node once
+    assert (scorer.tokens_computed > trie_nodes) == split
+
+
+def test_planned_sizes_are_those_of_the_tries_that_run():
+    """The scorer plans from counts; score_tree plans again from the tensors it gets: both
+    must see the same sizes, or a batch planned to fit would be refused."""
+    model = tiny_model()
+    hyps = [VOCAB.encode(h) + [EOS_ID] for h in long_hypotheses(30, 40, seed=3)]
+    hyps += [hyps[2][:7], hyps[2][:7], hyps[5][:1], hyps[5][:20] + [EOS_ID]]  # prefixes of others, a repeat
+    rows = NeuralScorer(model, VOCAB, max_work_bytes=256 * 1024)._split(0, hyps)
+    assert len(rows) > 1 and sorted(j for r in rows for j in r.hyps) == list(range(len(hyps)))
+    for row in rows:
+        assert row.size == PrefixTrie([hyps[j] for j in row.hyps]).size
+    tries, tokens, parents, lengths = trie_rows([hyps[:20], hyps[20:]])
+    real = length_mask(lengths, tokens.shape[1])
+    forest = tree_forest(tokens, torch.where(real, parents, -1) + 1, real)
+    size = tries[0].size + tries[1].size
+    assert (int(forest.depth.max()), len(forest.paths)) == (size.max_depth, size.path_len)
+
+
+def test_a_cap_below_one_hypothesis_is_refused_before_any_work():
+    model = tiny_model()
+    groups = [long_hypotheses(5, 60)]
+    scorer = NeuralScorer(model, VOCAB, max_work_bytes=64 * 1024)
+    cost = scorer.estimate_cost(groups)
+    assert cost.nbytes > scorer.max_work_bytes
+    with TensorMemory() as mem, pytest.raises(WorkLimitError, match="max_work_bytes"):
+        scorer.token_logprobs(groups)
+    assert mem.peak == 0 and scorer.tokens_computed == 0
+
+
+def test_the_issue_request_plans_within_the_default_cap():
+    """1,000 unique 200-word hypotheses with the `tiny` preset: 200k trie nodes, which the
+    one-pass tree would have scored with a 40 GB mask."""
+    model = build_model(get_preset("tiny").replace(vocab_size=len(VOCAB), dropout=0.0))
+    rng = random.Random(0)
+    hyps = [[f"w{rng.randrange(60)}" for _ in range(200)] for _ in range(1000)]
+    scorer = NeuralScorer(model, VOCAB)
+    cost = scorer.estimate_cost([hyps])
+    assert cost.trie_nodes == PrefixTrie([scorer.encode(h) for h in hyps]).n_nodes > 190_000
+    assert scorer.max_work_bytes == DEFAULT_MAX_WORK_BYTES and cost.nbytes <= DEFAULT_MAX_WORK_BYTES
+    assert NeuralScorer(model, VOCAB, max_work_bytes=None).estimate_cost([hyps]).nbytes > 2**35
