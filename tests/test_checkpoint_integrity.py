@@ -104,10 +104,18 @@ def test_old_checkpoint_without_digest_loads_and_gets_the_non_finite_check(tiny_
         load_model(ff)
 
 
-def test_shipped_model_without_digest_still_loads():
+def test_the_shipped_model_verifies_and_a_copy_without_digest_still_loads(tmp_path):
+    """The shipped model carries a digest that verifies; the same weights saved the way checkpoints were
+    written before digests existed still load (releases users already have)."""
     shipped = REPO / "models" / "bible-small" / MODEL_FILE
-    assert DIGEST_KEY not in torch.load(shipped, weights_only=True)  # it must keep loading as it is
+    obj = torch.load(shipped, weights_only=True)
+    assert set(obj[DIGEST_KEY]) == set(obj["model"])
     self_check(load_model(shipped))
+    old = tmp_path / "old" / MODEL_FILE
+    old.parent.mkdir()
+    torch.save({k: v for k, v in obj.items() if k != DIGEST_KEY}, old)
+    (old.parent / "vocab.txt").write_bytes((shipped.parent / "vocab.txt").read_bytes())
+    self_check(load_model(old.parent))
 
 
 def test_export_writes_a_digest_that_load_verifies(tiny_lm_dir, tmp_path):

@@ -301,6 +301,14 @@ BAD_REQUESTS = [  # (body, status, field)
     ({"utterances": [utt(hyp("zzxq qqzx xxqz"))]}, 422, "utterances"),  # vocabulary mismatch
     ({"utterances": [utt(hyp("the \ud800 lord"))]}, 422, "utterances[0].hypotheses[0].text"),
     ({"sentences": []}, 422, "sentences"),
+    # words in text, context and sentences have the same length cap as words in `words`
+    ({"utterances": [utt(hyp("the lord " + "x" * 1001))]}, 422, "utterances[0].hypotheses[0].text"),
+    ({"utterances": [utt(hyp(), context="the " + "y" * 1001)]}, 422, "utterances[0].context"),
+    ({"sentences": ["the " + "z" * 1001]}, 422, "sentences[0]"),
+    # a lattice in the wrong vocabulary is refused like an n-best list in it
+    ({"utterances": [{"id": "u", "lattice": {"format": "openfst-text",
+                                             "data": "0 1 zzxq zzxq 1,1\n1 2 qqzx qqzx 1,1\n2 0,0\n"}}]},
+     422, "utterances[0].lattice"),
 ]
 
 
@@ -445,6 +453,25 @@ def test_64_concurrent_clients(server, tiny_lm_dir, kenlm_model):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["neural"]["vocab_size"] == len(lm.vocab) and models["ngram"]["order"] == 3
     assert models["neural"]["state_numel_per_position"] == lm.model.state_numel_per_position()
+
+
+def test_models_and_metrics_name_models_without_their_paths(server, tiny_lm_dir, kenlm_model):
+    models = httpx.get(server.url + "/v1/models").text
+    text = httpx.get(server.url + "/metrics").text
+    for shown in (models, text):
+        assert str(tiny_lm_dir.parent) not in shown and str(kenlm_model.parent) not in shown
+    m = json.loads(models)
+    assert m["neural"]["name"] == tiny_lm_dir.name and m["ngram"]["name"] == kenlm_model.name
+    assert f'lm="{tiny_lm_dir.name}"' in text and f'ngram="{kenlm_model.name}"' in text
+
+
+def test_openapi_says_words_have_no_whitespace(server):
+    schemas = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    assert {"RescoreRequest", "ScoreRequest", "RescoreResponse"} <= schemas.keys()
+    words = schemas["HypothesisIn"]["properties"]["words"]
+    item = next(a["items"] for a in words["anyOf"] if a.get("type") == "array")
+    assert item["pattern"] == r"^\S+$" and item["maxLength"] == 1000
+    assert "1000" in schemas["HypothesisIn"]["properties"]["text"]["description"]
 
 
 def test_in_process_app_counts_arrivals(tiny_lm_dir, kenlm_model):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SmallstateError
 from ..ngram import NgramLM
 from ..scoring import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
 from ..vocab import EOS_ID, Vocabulary
@@ -425,13 +425,10 @@ class LatticeRescorer:
         SmallstateError from preparing one is passed to `on_error(index, error)`
         (raised when no handler is given) and that lattice is skipped.
 
-        `should_stop(index) -> bool`, when given, is asked before a lattice starts and
-        between levels: True drops that lattice (nothing is yielded for it) and frees its
-        states, so a server stops the work of a request that was cancelled or ran out of
-        time. With `pause`, None is also yielded after every level: a caller may stop
-        iterating there, do other work, and resume the expansion later."""
-        from ..errors import SmallstateError
-
+        `should_stop(index) -> bool` is asked before a lattice starts and between levels:
+        True drops it (nothing is yielded for it) and frees its states, so a server stops
+        the work of a request that was cancelled or timed out. With `pause`, None is also
+        yielded after every level: a caller may stop there, do other work, and resume."""
         objs: dict[int, object] = {}
         next_obj = 0
         if self.model is not None:

@@ -1,4 +1,4 @@
-"""Dynamic batching: concurrent requests share forward passes on one worker thread.
+"""Dynamic batching: concurrent requests share forward passes on one worker thread, in slices.
 
 Requests are queued on the event loop. A collector task takes the oldest request and
 waits for company while other requests are already on their way in (`arriving()`:
@@ -8,6 +8,13 @@ that fits the budget to ONE worker thread (a single-thread executor: the only th
 that touches the model and the GPU). A lone request is therefore not delayed, and
 while the worker computes new requests queue up, so batches grow with the load. With
 batching off each request is its own batch.
+
+The work of a batch is an iterator of steps (a chunk of hypothesis lists, one level of
+lattice expansion). The worker runs a batch for `slice_s`, then, when requests are
+queued, turns to them before it resumes: a long lattice holds a small request for one
+slice, not for its whole expansion. Started batches finish oldest first. A job whose
+request was cancelled or whose deadline passed is dropped from the queue, and the work
+function stops its work at the next step.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .errors import Unavailable
 from .metrics import Metrics
@@ -27,34 +35,76 @@ log = logging.getLogger("smallstate_lm.service")
 
 class Job:
     """A unit of work: `payload` is what the work function computes, `cost` (tokens) counts
-    against the batch budget; the batcher sets the timestamps (time.perf_counter seconds)
-    and the size of the batch it joined."""
+    against the batch budget, `deadline` (time.perf_counter seconds) is when its answer is
+    no longer wanted; the batcher sets the timestamps and the size of the batch it joined."""
 
-    def __init__(self, cost: int, payload: Any = None):
+    def __init__(self, cost: int, payload: Any = None, deadline: float = math.inf):
         self.cost = max(1, int(cost))
         self.payload = payload
+        self.deadline = deadline
+        self.cancelled = False  # the request gave up (client gone, deadline, shutdown)
+        self.started = False  # taken off the queue by the worker
+        self.dropped = False  # its work was stopped part-way (counted once)
         self.t_submit = 0.0
         self.t_start = 0.0
         self.batch_size = 0
         self.future: asyncio.Future | None = None
 
+    def expired(self) -> bool:
+        """Its answer is no longer wanted: read by the worker between steps."""
+        return self.cancelled or time.perf_counter() >= self.deadline
 
-# work(jobs, deliver): computes every job and calls deliver(job, result or exception) for each, from the worker.
-WorkFn = Callable[[list, Callable[[Job, Any], None]], None]
+
+def drop_expired(job: Job, stage: str, metrics: Metrics | None) -> bool:
+    """Whether `job` expired; the first time, counts its work as cancelled at `stage` (queued: never
+    started; running: stopped part-way)."""
+    if not job.expired():
+        return False
+    if metrics is not None and not job.dropped:
+        metrics.work_cancelled.labels(stage).inc()
+    job.dropped = True
+    return True
+
+
+# work(jobs, deliver): the batch's steps; calls deliver(job, result or exception) for each job, from the worker,
+# as soon as its answer is ready.
+WorkFn = Callable[[list, Callable[[Job, Any], None]], Iterator[Any]]
+
+
+class _Batch:
+    """A batch the worker has started: its jobs, its remaining steps and its worker time so far."""
+
+    def __init__(self, jobs: list[Job], steps: Iterator[Any], cost: int):
+        self.jobs, self.steps, self.cost = jobs, steps, cost
+        self.seconds = 0.0
+
+
+def _advance(steps: Iterator[Any], budget_s: float) -> bool:
+    """Run steps for about `budget_s` seconds (on the worker thread); True when none are left."""
+    end = time.perf_counter() + budget_s
+    for _ in steps:
+        if time.perf_counter() >= end:
+            return False
+    return True
 
 
 class Batcher:
     def __init__(self, work: WorkFn, *, batching: bool = True, max_batch_cost: int = 32768, max_wait_s: float = 0.005,
-                 max_queue: int = 256, metrics: Metrics | None = None, arriving: Callable[[], int] | None = None):
+                 max_queue: int = 256, slice_s: float = 0.05, metrics: Metrics | None = None,
+                 arriving: Callable[[], int] | None = None, on_idle: Callable[[int], None] | None = None):
         self.work = work
+        self.on_idle = on_idle  # called with the cost of the batches finished since the worker was last idle
+        self._cost_since_idle = 0
         self.arriving = arriving  # None: always wait max_wait_s for company
         self.batching = batching
         self.max_batch_cost = max_batch_cost
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
+        self.slice_s = slice_s
         self.metrics = metrics
         self._queue: collections.deque[Job] = collections.deque()
         self._queued_cost = 0
+        self._running: collections.deque[_Batch] = collections.deque()  # started, not finished
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -74,9 +124,13 @@ class Batcher:
         """Run `fn(*args)` on the worker thread (loading the model there, for instance)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def submit(self, job: Job) -> Any:
-        """Queue `job` and wait for its result; raises what the worker delivered, or
-        Unavailable when the queue is full or the service is stopping."""
+    async def run_now(self, jobs: list[Job], deliver: Callable[[Job, Any], None]) -> None:
+        """Run a batch to its end on the worker, past the queue (the warm-up)."""
+        await self.call(lambda: _advance(self.work(jobs, deliver), math.inf))
+
+    def submit(self, job: Job) -> asyncio.Future:
+        """Queue `job`; the future gets what the worker delivers. Raises Unavailable when
+        the queue is full or the service is stopping."""
         if self._task is None or self._closing:
             raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
         if len(self._queue) >= self.max_queue:
@@ -88,7 +142,28 @@ class Batcher:
         self._queued_cost += job.cost
         self._set_depth()
         self._wake.set()
-        return await job.future
+        return job.future
+
+    def cancel(self, job: Job) -> None:
+        """The request gave up: drop the job if it is still queued; the worker stops its work
+        at its next step otherwise."""
+        job.cancelled = True
+        if job.future is not None and not job.future.done():
+            job.future.cancel()  # a result delivered later is dropped, not left unretrieved
+        if not job.started and job in self._queue:
+            self._queue.remove(job)
+            self._queued_cost -= job.cost
+            self._set_depth()
+            drop_expired(job, "queued", self.metrics)
+            self._wake.set()
+
+    def begin_shutdown(self, stop_at: float) -> None:
+        """Refuse new jobs; every job queued or running gets `stop_at` as its latest deadline."""
+        self._closing = True
+        for job in [*self._queue, *(j for b in self._running for j in b.jobs)]:
+            job.deadline = min(job.deadline, stop_at)
+        if self._wake is not None:
+            self._wake.set()
 
     def poke(self) -> None:
         """Re-check the waiting condition (a request on its way in was dropped)."""
@@ -96,7 +171,7 @@ class Batcher:
             self._wake.set()
 
     async def close(self) -> None:
-        """Refuse new jobs, finish the queued ones, stop the worker."""
+        """Refuse new jobs, finish the queued and started ones (or drop them past their deadline), stop the worker."""
         self._closing = True
         if self._task is not None:
             self._wake.set()
@@ -109,47 +184,87 @@ class Batcher:
             self.metrics.queue_depth.set(len(self._queue))
 
     async def _collect(self) -> None:
+        new_first = True  # when both wait: alternate new batches and started ones
         while True:
-            if not self._queue:
+            if not self._queue and not self._running:
                 if self._closing:
                     return
+                if self._cost_since_idle and self.on_idle is not None:
+                    self.on_idle(self._cost_since_idle)
+                self._cost_since_idle = 0
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self.batching:
-                # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.
-                deadline = self._queue[0].t_submit + self.max_wait_s
-                while (self._queued_cost < self.max_batch_cost and not self._closing
-                       and (self.arriving is None or self.arriving() > 0)):
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        break
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), remaining)
-                    except asyncio.TimeoutError:
-                        break
-                batch, cost = [], 0
-                while self._queue and (not batch or cost + self._queue[0].cost <= self.max_batch_cost):
-                    job = self._queue.popleft()
-                    cost += job.cost
-                    batch.append(job)
-            else:
-                batch = [self._queue.popleft()]
-                cost = batch[0].cost
-            self._queued_cost -= cost
-            self._set_depth()
-            t_start = time.perf_counter()
-            for job in batch:
-                job.t_start, job.batch_size = t_start, len(batch)
+            await self._turn(new_first)
+            new_first = not new_first
+
+    async def _turn(self, new_first: bool) -> None:
+        """One slice of a new batch or of the oldest started one. Started batches finish in order
+        (sharing the worker among all of them would make every long request late); new ones get
+        every other slice, so a small request never waits for more than one. A function of its own
+        so that nothing of a finished batch (its requests, results) stays referenced while the
+        collector waits."""
+        if self._queue and (new_first or not self._running):
+            if self.batching and not self._running:  # nothing to do meanwhile: wait for company
+                await self._wait_for_company()
+            batch = self._take()
+            if not batch:
+                return
+            run = _Batch(batch, iter(self.work(batch, self._deliver)), sum(j.cost for j in batch))
+            if not await self._step(run):
+                self._running.append(run)
+        else:
+            run = self._running.popleft()
+            if not await self._step(run):
+                self._running.appendleft(run)
+
+    async def _wait_for_company(self) -> None:
+        # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.
+        deadline = self._queue[0].t_submit + self.max_wait_s
+        while (self._queue and self._queued_cost < self.max_batch_cost and not self._closing
+               and (self.arriving is None or self.arriving() > 0)):
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._wake.clear()
             try:
-                await self._loop.run_in_executor(self._executor, self.work, batch, self._deliver)
-            except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
-                log.exception("batch of %d request(s) failed", len(batch))
-                for job in batch:
-                    self._resolve(job.future, e)
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _take(self) -> list[Job]:
+        """The oldest jobs within the batch budget (one without batching); expired ones are dropped."""
+        batch, cost = [], 0
+        while self._queue and (not batch or (self.batching and cost + self._queue[0].cost <= self.max_batch_cost)):
+            job = self._queue.popleft()
+            self._queued_cost -= job.cost
+            job.started = True
+            if drop_expired(job, "queued", self.metrics):
+                continue
+            cost += job.cost
+            batch.append(job)
+        self._set_depth()
+        t_start = time.perf_counter()
+        for job in batch:
+            job.t_start, job.batch_size = t_start, len(batch)
+        return batch
+
+    async def _step(self, run: _Batch) -> bool:
+        """One slice of `run` on the worker; whether it is finished."""
+        t0 = time.perf_counter()
+        try:
+            done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s)
+        except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
+            log.exception("batch of %d request(s) failed", len(run.jobs))
+            for job in run.jobs:
+                self._resolve(job.future, e)
+            done = True
+        run.seconds += time.perf_counter() - t0
+        if done:
+            self._cost_since_idle += run.cost
             if self.metrics is not None:
-                self.metrics.observe_batch(len(batch), cost, time.perf_counter() - t_start)
+                self.metrics.observe_batch(len(run.jobs), run.cost, run.seconds)
+        return done
 
     def _deliver(self, job: Job, result: Any) -> None:
         """Called by the worker thread for each job as soon as its result is ready."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
@@ -27,14 +28,18 @@ from smallstate_lm.rescoring.lattice_expand import ExpandConfig, build_rescorer
 from smallstate_lm.rescoring.lattice_io import read_fst_text
 from smallstate_lm.rescoring.nbest import Components, apply_weights, compute_components
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-from smallstate_lm.scoring import NeuralScorer, PrefixTrie, Weights, check_overlap, count_oov, oov_reference
+from smallstate_lm.scoring import NeuralScorer, Weights, check_overlap, count_oov, oov_reference
 
-from .batcher import Job
-from .errors import ServiceError
+from .batcher import Job, drop_expired
+from .errors import DeadlineExceeded, ServiceError
 from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("smallstate_lm.service")
+_DONE = object()
+# Hypothesis lists are scored in steps of this many forward passes' worth of tokens (batch_tokens each): a big
+# request hands the worker back every few passes, and the passes stay full.
+CHUNK_PASSES = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,6 +57,7 @@ class NbestItem:
     ids: list[str]
     context: int  # number of context words in front of every hypothesis of `scored`
     comps: Components | None = None
+    cost: int = 0  # neural LM tokens computed (trie nodes)
 
 
 @dataclass
@@ -161,6 +167,12 @@ def _ranked(sc: dict, id: str, words: list[str], rank: int, w: Weights, neural: 
                             n_words=sc["n_words"], n_oov=sc["n_oov"], expected_errors=sc.get("expected_errors"))
 
 
+def _name(path: str | None) -> str:
+    """What /v1/models and /metrics show of a model file: its run directory's or file's name. The server's
+    filesystem layout is none of a client's business."""
+    return os.path.basename(os.path.normpath(path)) if path else ""
+
+
 # ---------------------------------------------------------------------------------------------
 # The computation
 
@@ -181,11 +193,12 @@ class Compute:
         self.device = torch.device("cpu")
         self.weights = Weights()
         self.expand_config = ExpandConfig()
+        self.chunk_tokens = CHUNK_PASSES * 512
         self.info: dict = {}  # what /v1/models shows
 
     # ---- loading -------------------------------------------------------------------------------
     def load(self) -> None:
-        from smallstate_lm.checkpoint import load_model
+        from smallstate_lm.checkpoint import load_model, self_check
         from smallstate_lm.ngram import NgramLM
 
         s = self.s
@@ -202,9 +215,14 @@ class Compute:
                                           max_per_state=s.max_per_state, max_states=s.max_states)
         if s.lm is not None:
             self.loaded = load_model(s.lm, self.device)
+            # Finite log-probs of a fixed sentence on this device, or no readiness (CheckpointError): finite
+            # weights can still overflow in the forward. load_model checks too today; the service's readiness
+            # does not depend on that staying so.
+            self_check(self.loaded)
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
                                        s.share_prefixes)
+            self.chunk_tokens = CHUNK_PASSES * batch_tokens
         if s.ngram is not None:
             self.ngram = NgramLM(s.ngram)
         self._describe()
@@ -216,29 +234,29 @@ class Compute:
         if self.loaded is not None:
             model = self.loaded.model
             numel = model.state_numel_per_position()
-            neural_info = {"path": str(self.loaded.path), "preset": str(self.loaded.config.name),
+            neural_info = {"name": _name(s.lm), "preset": str(self.loaded.config.name),
                            "parameters": count_parameters(model), "vocab_size": len(self.loaded.vocab),
                            "state_numel_per_position": numel,
                            "state_bytes_per_position": numel * next(model.parameters()).element_size(),
                            "config": self.loaded.config.to_dict()}
         self.info = {
             "neural": neural_info,
-            "ngram": {"path": str(self.ngram.path), "order": int(self.ngram.order)} if self.ngram else None,
+            "ngram": {"name": _name(s.ngram), "order": int(self.ngram.order)} if self.ngram else None,
             "device": str(self.device),
             "weights": dataclasses.asdict(self.weights),
             "lattice": {**dataclasses.asdict(self.expand_config), "default_nbest": s.lattice_nbest},
             "batching": {"enabled": s.batching, "batch_tokens": self.neural.batch_tokens if self.neural else None,
                          "max_batch_tokens": s.max_batch_tokens, "max_wait_ms": s.max_wait_ms,
                          "wait_for_arrivals": s.wait_for_arrivals,
-                         "max_queue": s.max_queue},
+                         "max_queue": s.max_queue, "slice_ms": s.slice_ms},
         }
         if self.metrics is not None:
             self.metrics.model.info({
-                "lm": neural_info["path"] if neural_info else "",
+                "lm": neural_info["name"] if neural_info else "",
                 "preset": neural_info["preset"] if neural_info else "",
                 "vocab_size": str(neural_info["vocab_size"]) if neural_info else "",
                 "state_numel_per_position": str(neural_info["state_numel_per_position"]) if neural_info else "",
-                "ngram": str(self.ngram.path) if self.ngram else "", "device": str(self.device),
+                "ngram": _name(s.ngram) if self.ngram else "", "device": str(self.device),
                 "torch_threads": str(torch.get_num_threads())})
 
     def warmup(self) -> list[Work]:
@@ -285,56 +303,99 @@ class Compute:
         prefix-sharing scorer computes) and lattice arcs."""
         work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest,
                     token_logprobs=token_logprobs)
-        for it in items:
+        for it, field in zip(items, fields):
             if isinstance(it, LatticeItem):
+                self._check_lattice_vocabulary(it.lattice, f"{field}.lattice")
                 work.lattice_arcs += it.lattice.num_arcs
                 continue
             seqs = [h.words for h in it.scored.hyps]
-            if self.neural is None:
-                work.tokens_total += sum(len(s) + 1 for s in seqs)
-                continue
-            encoded = [self.neural.encode(s) for s in seqs]
-            work.tokens_total += sum(map(len, encoded))
-            work.tokens_computed += PrefixTrie(encoded).n_nodes if self.s.share_prefixes else sum(map(len, encoded))
+            it.cost = sum(len(s) + 1 for s in seqs)
+            work.tokens_total += it.cost
+            if self.neural is not None:
+                it.cost = self.neural.estimate_cost([seqs]).trie_nodes  # before any work: no model call
+                work.tokens_computed += it.cost
         return work
 
-    # ---- the worker ----------------------------------------------------------------------------
-    def run_batch(self, jobs: list[Job], deliver: Callable[[Job, Any], None]) -> None:
-        """Score every job (payload: Work) of a batch together: one `compute_components` over all
-        their hypothesis lists and sentences, one `expand_many` per distinct weights over their
-        lattices; then deliver each job's Result or its error."""
-        with torch.inference_mode():  # cheaper than no_grad per op; nothing here needs autograd
-            self._run_batch(jobs, deliver)
+    def _check_lattice_vocabulary(self, lat: Lattice, field: str) -> None:
+        """The overlap check of hypothesis lists, on a lattice's words: a lattice in the wrong
+        vocabulary is refused like a list in it (422), not scored as all <unk>."""
+        mask = lat.symbols.word_mask()
+        words = [[lat.symbols.word(i) for i in lat.word[mask[lat.word]].tolist()]]
+        try:
+            if self.neural is not None:
+                check_overlap(words, self.neural.vocab, "the neural LM")
+            if self.ngram is not None:
+                check_overlap(words, self.ngram, "the n-gram")
+        except SmallstateError as e:
+            raise ServiceError(str(e), field) from None
 
-    def _run_batch(self, jobs: list[Job], deliver: Callable[[Job, Any], None]) -> None:
+    # ---- the worker ----------------------------------------------------------------------------
+    def run_batch(self, jobs: list[Job], deliver: Callable[[Job, Any], None]) -> Iterator[None]:
+        """Score every job (payload: Work) of a batch together, a step at a time: the hypothesis
+        lists and sentences of all jobs in chunks of about `chunk_tokens` computed tokens (one
+        `compute_components` call each), then the lattices, one `expand_many` per distinct weights,
+        a step per level. Each job gets its Result, or its error, from `deliver` as soon as it is
+        ready; the work of a job that expired (cancelled, past its deadline) stops at the next step.
+        The batcher runs the steps in time slices, between which other batches run."""
+        steps = self._steps(jobs, deliver)
+        while True:
+            # Per step, not around the generator: batches interleave on the worker thread, and a mode entered
+            # before a yield would leak into another batch's steps and be undone by them.
+            with torch.inference_mode():
+                if next(steps, _DONE) is _DONE:
+                    return
+            yield
+
+    def _steps(self, jobs: list[Job], deliver: Callable[[Job, Any], None]) -> Iterator[None]:
         t0 = time.perf_counter()
-        works: list[Work] = [j.payload for j in jobs]
-        for w in works:
+        totals = [0, 0]  # tokens scored and computed, for the throughput metric
+        live = []
+        for job in jobs:
+            w: Work = job.payload
             w.error = None
+            if self._stop(job, "queued"):
+                deliver(job, w.error)
+                continue
             try:
                 self._check_vocabulary(w)
             except SmallstateError as e:
                 w.error = self._as_service_error(e, w)
-        self._score_lists([w for w in works if w.error is None])
-        self._expand_lattices([w for w in works if w.error is None])
-        scored = computed = 0
-        for job, w in zip(jobs, works):
-            result = None
-            if w.error is None:
-                try:
-                    result = self._result(w, job, t0)
-                except SmallstateError as e:
-                    w.error = self._as_service_error(e, w)
-                except Exception as e:  # a bug: the route turns it into a 500 and it is logged
-                    w.error = e
-            if result is None:
-                deliver(job, w.error)
-                continue
-            scored += result.counts.tokens_total
-            computed += result.counts.tokens_computed
-            deliver(job, result)
+            live.append(job)
+        lattices = [job for job in live if any(isinstance(it, LatticeItem) for it in job.payload.items)]
+
+        def lists_done(job: Job) -> None:  # a request of hypothesis lists only is answered at once
+            if job not in lattices or job.payload.error is not None:
+                self._answer(job, t0, deliver, totals)
+
+        yield from self._score_lists(live, lists_done)
+        lattices = [job for job in lattices if job.payload.error is None]
+        yield from self._expand_lattices(lattices, lambda job: self._answer(job, t0, deliver, totals))
         if self.metrics is not None:
-            self.metrics.observe_tokens(scored, computed, time.perf_counter() - t0)
+            self.metrics.observe_tokens(totals[0], totals[1], time.perf_counter() - t0)
+
+    def _stop(self, job: Job, stage: str = "running") -> bool:
+        """Whether the job's work stops here: it failed, or it expired (then its error says so)."""
+        w: Work = job.payload
+        if w.error is None and drop_expired(job, stage, self.metrics):
+            w.error = DeadlineExceeded("the request's work was stopped: it was cancelled or its deadline passed")
+        return w.error is not None
+
+    def _answer(self, job: Job, t0: float, deliver: Callable[[Job, Any], None], totals: list[int]) -> None:
+        w: Work = job.payload
+        result = None
+        if w.error is None:
+            try:
+                result = self._result(w, job, t0)
+            except SmallstateError as e:
+                w.error = self._as_service_error(e, w)
+            except Exception as e:  # a bug: the route turns it into a 500 and it is logged
+                w.error = e
+        if result is None:
+            deliver(job, w.error)
+            return
+        totals[0] += result.counts.tokens_total
+        totals[1] += result.counts.tokens_computed
+        deliver(job, result)
 
     def _as_service_error(self, e: BaseException, w: Work, field: str | None = None) -> ServiceError:
         if isinstance(e, ServiceError):
@@ -350,64 +411,113 @@ class Compute:
         if self.ngram is not None:
             check_overlap(sents, self.ngram, "the n-gram")
 
-    def _score_lists(self, works: list[Work]) -> None:
-        pairs = [(w, it) for w in works for it in w.items if isinstance(it, NbestItem)]
-        if not pairs:
-            return
+    def _score_lists(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
+        """The jobs' hypothesis lists in chunks of about `chunk_tokens` computed tokens, a step each,
+        the smallest requests first; `done(job)` once a job's lists are scored (or it failed or stopped)."""
+        jobs = sorted(jobs, key=lambda j: j.cost)
+        pairs = [(job, it) for job in jobs if job.payload.error is None
+                 for it in job.payload.items if isinstance(it, NbestItem)]
+        left = Counter(job for job, _ in pairs)
+        for job in jobs:
+            if not left[job]:
+                done(job)
+        chunk, cost = [], 0
+        for k, (job, it) in enumerate(pairs):
+            chunk.append((job, it))
+            cost += it.cost
+            if cost >= self.chunk_tokens or k == len(pairs) - 1:
+                live = [(j, i) for j, i in chunk if not self._stop(j)]
+                if live:
+                    self._score_chunk(live)
+                for j, _ in chunk:
+                    left[j] -= 1
+                    if left[j] == 0:
+                        done(j)
+                chunk, cost = [], 0
+                yield
+
+    def _score_chunk(self, pairs: list[tuple[Job, NbestItem]]) -> None:
         try:
             comps, _ = compute_components([it.scored for _, it in pairs], self.neural, self.ngram, progress=False)
             for (_, it), c in zip(pairs, comps):
                 it.comps = c
         except Exception:
             # One request must not fail the others: score them one by one to find the culprit.
-            log.warning("merged batch failed; scoring its %d requests one by one", len(works), exc_info=True)
-            for w in works:
-                items = [it for it in w.items if isinstance(it, NbestItem)]
-                if not items:
-                    continue
+            log.warning("merged batch failed; scoring its requests one by one", exc_info=True)
+            by_job: dict[Job, list[NbestItem]] = defaultdict(list)
+            for job, it in pairs:
+                by_job[job].append(it)
+            for job, items in by_job.items():
                 try:
                     comps, _ = compute_components([it.scored for it in items], self.neural, self.ngram,
                                                   progress=False)
                     for it, c in zip(items, comps):
                         it.comps = c
                 except SmallstateError as e:
-                    w.error = self._as_service_error(e, w)
+                    job.payload.error = self._as_service_error(e, job.payload)
                 except Exception as e:
-                    w.error = e
+                    job.payload.error = e
 
-    def _expand_lattices(self, works: list[Work]) -> None:
-        groups: dict[tuple, list[tuple[Work, int, LatticeItem]]] = defaultdict(list)
-        for w in works:
-            for k, it in enumerate(w.items):
+    def _expand_lattices(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
+        """The jobs' lattices, one expansion per distinct weights, a step per level; `done(job)`
+        once all lattices of a job are expanded (or it failed or stopped)."""
+        groups: dict[tuple, list[tuple[Job, int, LatticeItem]]] = defaultdict(list)
+        for job in jobs:
+            for k, it in enumerate(job.payload.items):
                 if isinstance(it, LatticeItem):
-                    groups[dataclasses.astuple(w.weights)].append((w, k, it))
+                    groups[dataclasses.astuple(job.payload.weights)].append((job, k, it))
+        left = Counter(job for members in groups.values() for job, _, _ in members)
+
+        def finished(job: Job) -> None:
+            left[job] -= 1
+            if left[job] == 0:
+                done(job)
+
         for members in groups.values():
-            rescorer = build_rescorer(members[0][0].weights, self.loaded, self.ngram, self.expand_config, self.device)
+            yield from self._expand_group(members, finished)
 
-            def failed(i: int, e: BaseException, members=members) -> None:
-                w, k, _ = members[i]
-                if w.error is None:
-                    w.error = (self._as_service_error(e, w, f"{w.fields[k]}.lattice")
-                               if isinstance(e, SmallstateError) else e)
+    def _expand_group(self, members: list[tuple[Job, int, LatticeItem]],
+                      finished: Callable[[Job], None]) -> Iterator[None]:
+        rescorer = build_rescorer(members[0][0].payload.weights, self.loaded, self.ngram, self.expand_config,
+                                  self.device)
+        accounted: set[int] = set()
 
-            done: set[int] = set()
-            try:
-                for i, exp in rescorer.expand_many([it.lattice for _, _, it in members], on_error=failed):
-                    w, k, it = members[i]
-                    done.add(i)
-                    it.hyps = exp.nbest(w.weights, it.n)
-                    it.lm_steps = exp.stats.lm_rows
-            except Exception:
-                log.warning("merged lattice expansion failed; expanding the rest one by one", exc_info=True)
-                for i, (w, _, it) in enumerate(members):
-                    if i in done or w.error is not None:
-                        continue
-                    try:
-                        exp = rescorer.expand(it.lattice)
-                        it.hyps = exp.nbest(w.weights, it.n)
-                        it.lm_steps = exp.stats.lm_rows
-                    except Exception as e:
-                        failed(i, e)
+        def failed(i: int, e: BaseException) -> None:
+            job, k, _ = members[i]
+            w = job.payload
+            if w.error is None:
+                w.error = self._as_service_error(e, w, f"{w.fields[k]}.lattice") if isinstance(e, SmallstateError) \
+                    else e
+
+        def take(i: int, exp) -> None:
+            job, _, it = members[i]
+            it.hyps = exp.nbest(job.payload.weights, it.n)
+            it.lm_steps = exp.stats.lm_rows
+            accounted.add(i)
+            finished(job)
+
+        def stop(i: int) -> bool:  # between levels: a lattice of a failed or expired job is dropped
+            return self._stop(members[i][0])
+
+        try:
+            for out in rescorer.expand_many([it.lattice for _, _, it in members], on_error=failed, should_stop=stop,
+                                            pause=True):
+                if out is not None:
+                    take(*out)
+                yield
+        except Exception:
+            log.warning("merged lattice expansion failed; expanding the rest one by one", exc_info=True)
+            for i, (_, _, it) in enumerate(members):
+                if i in accounted or stop(i):
+                    continue
+                try:
+                    take(i, rescorer.expand(it.lattice))
+                except Exception as e:
+                    failed(i, e)
+                yield
+        for i, (job, _, _) in enumerate(members):  # failed or stopped: answered with their error
+            if i not in accounted:
+                finished(job)
 
     # ---- results --------------------------------------------------------------------------------
     def _strip_context(self, it: NbestItem) -> Components:

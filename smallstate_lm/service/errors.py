@@ -35,3 +35,19 @@ class Unavailable(ServiceError):
 
     def __init__(self, message: str, retry_after: int = 1):
         super().__init__(message, retry_after=retry_after)
+
+
+class CostLimitError(LimitError):
+    """The estimated cost of a request (trie nodes, lattice steps) is over its limit: refused before any work."""
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before its answer was ready; its work was stopped."""
+
+    kind = "deadline_exceeded"
+
+
+class ClientGone(ServiceError):
+    """The client closed the connection before its answer was ready; its work was stopped."""
+
+    kind = "client_disconnected"

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
 from smallstate_lm.rescoring.lattice_io import read_fst_text, read_slf_text
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
 
 from .compute import Compute, LatticeItem, NbestItem, Work
-from .errors import LimitError, ServiceError
+from .errors import CostLimitError, LimitError, ServiceError
 from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
 from .settings import Settings
 
@@ -26,6 +28,7 @@ def rescore_work(body: RescoreRequest, compute: Compute, s: Settings) -> Work:
     weights = compute.request_weights(body.weights.model_dump(exclude_none=True) if body.weights else {})
     items: list[NbestItem | LatticeItem] = []
     fields = []
+    steps = 0  # estimated LM steps of the request's lattices
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
@@ -35,9 +38,38 @@ def rescore_work(body: RescoreRequest, compute: Compute, s: Settings) -> Work:
                 raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
                                    f"{where}.context")
             lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs)
+            steps += lattice_cost(lat, s.max_per_state)
+            if steps > s.max_lattice_cost:
+                raise CostLimitError(f"expanding the request's lattices would take up to {steps} LM steps "
+                                     f"(estimated from their arcs and paths), more than the limit of "
+                                     f"{s.max_lattice_cost} (max_lattice_cost)", f"{where}.lattice",
+                                     s.max_lattice_cost)
             items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest))
         fields.append(where)
-    return compute.work("rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
+    work = compute.work("rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
+    _check_trie_nodes(work, "utterances", s)
+    return work
+
+
+def _check_trie_nodes(work: Work, field: str, s: Settings) -> None:
+    """The neural LM tokens the request's hypotheses need computed, against the limit, before any work."""
+    if work.tokens_computed > s.max_trie_nodes:
+        raise CostLimitError(f"the request's hypotheses need {work.tokens_computed} neural LM tokens computed "
+                             f"(unique prefixes), more than the limit of {s.max_trie_nodes} (max_trie_nodes)",
+                             field, s.max_trie_nodes)
+
+
+def lattice_cost(lat: Lattice, max_per_state: int) -> int:
+    """An upper bound of the LM steps that expanding the prepared `lat` takes, known before any LM
+    work (linear in its arcs): per word arc and per final state, the histories its state may hold,
+    i.e. the paths into it, at most `max_per_state` (the expansion keeps no more per state)."""
+    paths = [0] * lat.num_states
+    paths[lat.start] = 1
+    for a, b in zip(lat.src.tolist(), lat.dst.tolist()):  # prepared: topological states, arcs sorted by source
+        paths[b] = min(max_per_state, paths[b] + paths[a])
+    histories = np.array(paths, dtype=np.int64)
+    words = lat.symbols.word_mask()[lat.word]
+    return int(histories[lat.src[words]].sum() + histories[lat.is_final()].sum())
 
 
 def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, list[str]]:
@@ -72,7 +104,9 @@ def score_work(body: ScoreRequest, compute: Compute, s: Settings) -> Work:
                              f"sentences[{i}]", s.max_words)
         items.append(compute.nbest_item(Utterance(str(i), [Hypothesis(words=words)]), []))
         fields.append(f"sentences[{i}]")
-    return compute.work("score", items, fields, compute.weights, token_logprobs=body.return_token_logprobs)
+    work = compute.work("score", items, fields, compute.weights, token_logprobs=body.return_token_logprobs)
+    _check_trie_nodes(work, "sentences", s)
+    return work
 
 
 # ---------------------------------------------------------------------------------------------

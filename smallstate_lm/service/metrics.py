@@ -36,6 +36,14 @@ class Metrics:
         self.ready = Gauge("smallstate_ready", "1 when the model is loaded and warmed up and the server is not "
                            "draining.", registry=r)
         self.model = Info("smallstate_model", "The loaded models and device.", registry=r)
+        self.cancelled = Counter("smallstate_requests_cancelled", "Requests given up before their answer was ready, "
+                                 "by reason: deadline, disconnect (the client left) or shutdown.", ["reason"],
+                                 registry=r)
+        self.work_cancelled = Counter("smallstate_work_cancelled", "Jobs of given-up requests whose work the worker "
+                                      "skipped (stage=queued) or stopped part-way (stage=running).", ["stage"],
+                                      registry=r)
+        self.header_timeouts = Counter("smallstate_header_timeouts", "Connections closed because a request's head "
+                                       "did not arrive within header_timeout_s.", registry=r)
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()

@@ -1,18 +1,26 @@
 """The rescoring service's HTTP side (FastAPI): `create_app(settings)` and `serve(settings)`.
 
 The one module of the service that knows HTTP: routes, middleware, error handlers and their
-status codes, uvicorn. A route validates its body (pydantic), turns it into work (inputs.py:
-limits, lattice parsing, token counts), awaits the batcher, which runs compute.py on the worker
-thread, and builds its response from the schemas' models. The model is loaded in the lifespan;
-the event loop never runs model code.
+status codes, uvicorn. A route parses and validates its body (pydantic; in a thread when large),
+turns it into work (inputs.py: limits, cost estimates, lattice parsing, token counts), awaits the
+batcher, which runs compute.py on the worker thread, and builds its response from the schemas'
+models. Each request has a deadline; a deadline passed, a client gone or a shutdown stops its
+work. Heads and bodies that do not arrive in time get 408. The model is loaded (and self-checked)
+in the lifespan; the event loop never runs model code.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
+import gc
 import hmac
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -24,15 +32,19 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from uvicorn.lifespan.on import LifespanOn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from smallstate_lm.errors import ConfigError, SmallstateError
 
 from .batcher import Batcher, Job
 from .compute import Compute, LMTotal, RankedHypothesis, Result, Work
-from .errors import ServiceError, Unavailable
+from .errors import ClientGone, CostLimitError, DeadlineExceeded, ServiceError, Unavailable
 from .inputs import rescore_work, score_work
 from .metrics import Metrics
 from .schemas import (
@@ -57,17 +69,29 @@ PROTECTED = frozenset({"/rescore", "/score", "/v1/models", "/metrics"})
 ROUTES = frozenset({"/rescore", "/score", "/healthz", "/readyz", "/metrics", "/v1/models", "/docs", "/redoc",
                     "/openapi.json", "/docs/oauth2-redirect"})
 ARRIVAL = "smallstate.arriving"  # scope key: the request is counted in Service.arriving
+T0 = "smallstate.t0"  # scope key: when the request arrived (time.perf_counter); its deadline counts from it
+TIMEOUT_HEADER = "x-request-timeout"
+INLINE_BYTES = 32 * 1024  # bodies parsed on the event loop (~1 ms); larger ones in a thread
 INLINE_WORDS = 1000  # words (roughly) a request may have to be prepared on the event loop
 INLINE_HYPOTHESES = 100  # and hypotheses its answer may have to be built there too (~0.5 ms)
+# Freed memory is handed back to the OS after a request this large, and when the worker goes idle after this
+# much work (tokens computed + lattice arcs): the allocator keeps what a burst freed otherwise.
+LARGE_BYTES = 2**20
+RELEASE_COST = 20_000
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in (
-    (400, "Malformed JSON."), (401, "Missing or wrong API key."), (413, "Body over max_body_bytes."),
+    (400, "Malformed JSON."), (401, "Missing or wrong API key."),
+    (408, "The body did not arrive within body_timeout_s."),
+    (413, "Body over max_body_bytes, or estimated cost over max_trie_nodes / max_lattice_cost."),
     (422, "Invalid request, or over a limit: `field` names the part, `limit` the limit."),
-    (503, "Overloaded (queue full) or shutting down; see Retry-After."))}
+    (503, "Overloaded (queue full), not ready, or shutting down; see Retry-After."),
+    (504, "No answer within the deadline (X-Request-Timeout, at most request_timeout_s); the work was stopped."))}
 
 
 class Service:
-    """What the routes share: settings, metrics, the compute module and its batcher, and the
-    readiness flags (ready after load + warm-up; draining after SIGTERM)."""
+    """What the routes share: settings, metrics, the compute module and its batcher, the
+    readiness flags (ready after load + warm-up; draining after SIGTERM; failed when the model
+    did not load or failed its self-check) and, once shutting down, the time by which every
+    request must be answered."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -76,22 +100,33 @@ class Service:
         self.arriving = 0  # scoring requests received, not yet queued (see ArrivalMiddleware)
         self.batcher = Batcher(self.compute.run_batch, batching=settings.batching,
                                max_batch_cost=settings.max_batch_tokens, max_wait_s=settings.max_wait_ms / 1000,
-                               max_queue=settings.max_queue, metrics=self.metrics,
-                               arriving=(lambda: self.arriving) if settings.wait_for_arrivals else None)
+                               max_queue=settings.max_queue, slice_s=settings.slice_ms / 1000, metrics=self.metrics,
+                               arriving=(lambda: self.arriving) if settings.wait_for_arrivals else None,
+                               on_idle=self._idle)
         self.ready = False
         self.draining = False
+        self.failed: str | None = None  # why the model may not serve, once known
+        self.stop_at = math.inf  # once shutting down: when every request gets its answer (perf_counter seconds)
+        self.stopping = asyncio.Event()
+        self._work_since_release = 0
+        self._releasing = False
 
     async def start(self) -> None:
         t0 = time.perf_counter()
-        # The worker thread loads the model: it is the thread that will use it (and the GPU).
-        await self.batcher.call(self.compute.load)
+        try:
+            # The worker thread loads the model: it is the thread that will use it (and the GPU).
+            await self.batcher.call(self.compute.load)
+        except SmallstateError as e:  # a bad checkpoint, or finite weights whose scores are not (self-check)
+            self.failed = str(e)
+            log.error("refusing to become ready: the model failed to load or its self-check: %s", e)
+            return
         jobs = [Job(w.cost, w) for w in await run_in_threadpool(self.compute.warmup)]
 
         def answered(job, result) -> None:
             if isinstance(result, BaseException):  # e.g. an n-gram-only server without the warm-up words
                 log.info("warm-up request answered: %s", result)
 
-        await self.batcher.call(self.compute.run_batch, jobs, answered)  # straight to the worker: no batching wait
+        await self.batcher.run_now(jobs, answered)  # straight to the worker: no batching wait
         self.batcher.start()
         self.ready = True
         self.metrics.ready.set(1)
@@ -106,22 +141,151 @@ class Service:
         self.draining = True
         self.metrics.ready.set(0)
 
+    def begin_shutdown(self, stop_at: float) -> None:
+        """Every request in flight gets its answer by `stop_at` (perf_counter seconds): its result,
+        or 503; new ones get 503 at once."""
+        self.stop_at = stop_at
+        self.stopping.set()
+        self.batcher.begin_shutdown(stop_at)
+
+    def _idle(self, cost: int) -> None:
+        self._work_since_release += cost
+        if self._work_since_release >= RELEASE_COST:
+            self.release_memory()
+
+    def release_memory(self) -> None:
+        """Hand freed memory back to the OS, in a thread (one at a time)."""
+        if self._releasing:
+            return
+        self._releasing = True
+        self._work_since_release = 0
+
+        def done(_) -> None:
+            self._releasing = False
+
+        asyncio.get_running_loop().run_in_executor(None, _release_memory).add_done_callback(done)
+
     def arrived(self, scope) -> None:
         """The request of `scope` stops counting as on its way in (once)."""
         if scope.pop(ARRIVAL, False):
             self.arriving -= 1
 
-    async def submit(self, work: Work, scope) -> Result:
+    def timeout(self, request: Request) -> float:
+        """The request's time budget in seconds: X-Request-Timeout, at most request_timeout_s."""
+        limit = self.settings.request_timeout_s
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is None:
+            return limit
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            raise ServiceError(f"X-Request-Timeout must be a positive number of seconds, got {raw[:40]!r}",
+                               f"headers.{TIMEOUT_HEADER}")
+        return min(value, limit)
+
+    async def wait_any(self, waiters: set, deadline: float) -> set:
+        """The done ones of `waiters`; empty when `deadline` (perf_counter seconds) or, once
+        shutting down, the stop time passes first."""
+        while True:
+            done = {w for w in waiters if w.done()}
+            remaining = min(deadline, self.stop_at) - time.perf_counter()
+            if done or remaining <= 0:
+                return done
+            # a shutdown that begins meanwhile brings the deadline forward
+            stopping = set() if self.stopping.is_set() else {asyncio.ensure_future(self.stopping.wait())}
+            try:
+                await asyncio.wait(waiters | stopping, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in stopping:
+                    task.cancel()
+
+    async def submit(self, work: Work, request: Request, timeout: float) -> Result:
+        """Queue the request's work and wait for its result until its deadline (its arrival +
+        `timeout`) or the shutdown's; a deadline passed, a client gone or a shutdown stops its work."""
         if not self.ready:
-            raise Unavailable("the model is still loading", retry_after=2)
-        self.arrived(scope)  # no await between this and queueing: the collector sees one or the other
-        return await self.batcher.submit(Job(work.cost, work))
+            raise Unavailable("the model failed its start-up check" if self.failed else "the model is still loading",
+                              retry_after=2)
+        deadline = request.scope.get(T0, time.perf_counter()) + timeout
+        job = Job(work.cost, work, deadline=min(deadline, self.stop_at))
+        self.arrived(request.scope)  # no await between this and queueing: the collector sees one or the other
+        future = self.batcher.submit(job)
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            done = await self.wait_any({future, gone}, deadline)
+        except asyncio.CancelledError:
+            self.batcher.cancel(job)
+            raise
+        finally:
+            gone.cancel()
+        if future in done:
+            return future.result()
+        self.batcher.cancel(job)
+        reason = "disconnect" if gone in done else "deadline" if time.perf_counter() >= deadline else "shutdown"
+        self.metrics.cancelled.labels(reason).inc()
+        if reason == "disconnect":
+            raise ClientGone("the client closed the connection; its work was stopped")
+        if reason == "shutdown":
+            raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
+        raise DeadlineExceeded(f"no answer within the request's deadline of {timeout:g} s (X-Request-Timeout, at "
+                               f"most request_timeout_s); its work was stopped", limit=timeout)
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has closed the connection (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # a stray message: never spin
 
 
 async def _off_loop(inline: bool, fn: Callable, *args) -> Any:
     """`fn(*args)` in a thread-pool thread, or in place when `inline`: a small hypothesis list costs
     less to prepare or answer (~0.1 ms) than a thread hand-off does."""
     return fn(*args) if inline else await run_in_threadpool(fn, *args)
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """A request body as `model`, with FastAPI's errors (400 malformed JSON, 422 invalid). On a
+    thread for large bodies: parsing and validating 10 MiB holds the interpreter for a second.
+
+    pydantic's own JSON parser shares one str object among the repeats of a word: a large body
+    makes a few thousand strings instead of millions, and fragments the heap far less. What it
+    refuses (NaN, lone surrogates) goes through the standard parser, for FastAPI's answers."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        if not any(err["type"] == "json_invalid" for err in e.errors()):
+            raise RequestValidationError(_body_errors(e)) from None
+    try:
+        data = json.loads(raw)
+    except ValueError as e:  # not JSON, or bytes in no JSON encoding
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(e)}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(_body_errors(e)) from None
+
+
+def _body_errors(e: ValidationError) -> list[dict]:
+    return [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None elsewhere."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _release_memory() -> None:
+    """Hand the memory a large request freed back to the OS (after its response, in a thread):
+    the allocator keeps freed pages for reuse, and the process would stay at its peak size."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _words(words: list | None, text: str | None) -> int:
@@ -238,6 +402,7 @@ class ArrivalMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ("/rescore", "/score"):
             return await self.app(scope, receive, send)
         scope[ARRIVAL] = True
+        scope[T0] = time.perf_counter()
         self.svc.arriving += 1
         try:
             await self.app(scope, receive, send)
@@ -248,44 +413,65 @@ class ArrivalMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit, by Content-Length or by counting a chunked body, before any parsing."""
+    """Reads the whole body before any parsing: 413 for bodies over the limit (by Content-Length, or
+    counting a chunked body), 408 for one that does not arrive within body_timeout_s (a stalled or
+    trickled upload), 503 when the service starts shutting down meanwhile."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, svc: Service):
+        self.app, self.svc = app, svc
+        self.limit, self.timeout_s = svc.settings.max_body_bytes, svc.settings.body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        too_big = _error_body(f"request body is over the limit of {self.limit} bytes (max_body_bytes)",
-                              "limit_exceeded", "body", self.limit)
         for k, v in scope["headers"]:
             if k == b"content-length":
                 if not v.isdigit():
                     return await _send_json(send, 400, _error_body("bad Content-Length header", "bad_request"))
                 if int(v) > self.limit:
-                    return await _send_json(send, 413, too_big, [(b"connection", b"close")])
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await _send_json(send, 413, too_big, [(b"connection", b"close")])
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+                    return await _send_json(send, 413, self._too_big(), [(b"connection", b"close")])
+        read = await self._read(receive)
+        if read is None:  # the client left
+            return
+        if isinstance(read, tuple):
+            return await _send_json(send, *read, [(b"connection", b"close")])
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": b"".join(read), "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _too_big(self) -> dict:
+        return _error_body(f"request body is over the limit of {self.limit} bytes (max_body_bytes)",
+                           "limit_exceeded", "body", self.limit)
+
+    async def _read(self, receive) -> list[bytes] | tuple[int, dict] | None:
+        """The body's chunks; (status, error body) when it is too big or too slow; None when the client left."""
+        deadline = time.perf_counter() + self.timeout_s
+        chunks, size = [], 0
+        while True:
+            pending = asyncio.ensure_future(receive())
+            if not await self.svc.wait_any({pending}, deadline):
+                pending.cancel()
+                if time.perf_counter() < deadline:
+                    return 503, _error_body("the service is shutting down; retry on another replica", "unavailable")
+                return 408, _error_body(f"the request body did not arrive within {self.timeout_s:g} s "
+                                        f"(body_timeout_s)", "request_timeout", "body", self.timeout_s)
+            message = pending.result()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return 413, self._too_big()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks
 
 
 class ApiKeyMiddleware:
@@ -345,8 +531,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
                                    errors=errors))
 
 
+# Status codes of the service's own errors (the first class that matches); any other ServiceError is 422.
+# 499 (nginx's "client closed request") only shows in the metrics: nobody is left to read it.
+STATUS = ((Unavailable, 503), (CostLimitError, 413), (DeadlineExceeded, 504), (ClientGone, 499))
+
+
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-    status = 503 if isinstance(exc, Unavailable) else 422
+    status = next((code for cls, code in STATUS if isinstance(exc, cls)), 422)
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
     return _error(status, _error_body(exc.message, exc.kind, exc.field, exc.limit), headers)
 
@@ -378,7 +569,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await svc.start()
+        await svc.start()  # a model that fails to load or its self-check sets svc.failed: never ready
         try:
             yield
         finally:
@@ -394,44 +585,91 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(SmallstateError, _user_error)
     app.add_exception_handler(Exception, _internal_error)
     # Added innermost first: metrics see everything, the key is checked before a body is read.
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, svc=svc)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, key=settings.api_key)
     app.add_middleware(ArrivalMiddleware, svc=svc)
     app.add_middleware(MetricsMiddleware, metrics=svc.metrics)
     _add_routes(app, svc)
+    app.openapi = functools.partial(_openapi, app)
     return app
+
+
+# The routes parse their own bodies (off the event loop when large), so FastAPI does not see these models:
+# the OpenAPI document gets them here.
+REQUEST_MODELS = {"/rescore": RescoreRequest, "/score": ScoreRequest}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_MODELS.items():
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _read(request: Request, model: type[BaseModel]) -> tuple[BaseModel, int]:
+    """The request's body as `model` (parsed in a thread unless small) and its size in bytes."""
+    raw = await request.body()
+    return await _off_loop(len(raw) <= INLINE_BYTES, _parse, model, raw), len(raw)
+
+
+async def _answer(svc: Service, inline: bool, build: Callable[[], Response], size: int) -> Response:
+    """The response, built and encoded off the loop unless small; after a large request, once it is
+    sent, the memory the request freed goes back to the OS."""
+    response = await _off_loop(inline, build)
+    if size > LARGE_BYTES:
+        async def release() -> None:  # async: a BackgroundTask runs plain functions on a thread, without the loop
+            svc.release_memory()
+
+        response.background = BackgroundTask(release)
+    return response
 
 
 def _add_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/rescore", response_model=RescoreResponse, responses=ERRORS)
-    async def rescore(body: RescoreRequest, request: Request) -> Response:
-        """Rescore n-best lists and/or lattices; per utterance the hypotheses ranked by total (natural log)."""
+    async def rescore(request: Request) -> Response:
+        """Rescore n-best lists and/or lattices; per utterance the hypotheses ranked by total (natural log).
+        Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
+        timeout = svc.timeout(request)
+        body, size = await _read(request, RescoreRequest)
         lattice = any(u.lattice is not None for u in body.utterances)
         words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
         inline = not lattice and words <= INLINE_WORDS
         work = await _off_loop(inline, rescore_work, body, svc.compute, svc.settings)
-        result = await svc.submit(work, request.scope)
+        result = await svc.submit(work, request, timeout)
         inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
-        return await _off_loop(inline, lambda: _json(_rescore_response(result, body)))
+        return await _answer(svc, inline, lambda: _json(_rescore_response(result, body)), size)
 
     @app.post("/score", response_model=ScoreResponse, responses=ERRORS)
-    async def score(body: ScoreRequest, request: Request) -> Response:
-        """Natural-log probability, token count and perplexity of sentences under each loaded LM."""
+    async def score(request: Request) -> Response:
+        """Natural-log probability, token count and perplexity of sentences under each loaded LM.
+        Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
+        timeout = svc.timeout(request)
+        body, size = await _read(request, ScoreRequest)
         inline = sum(_words(None, t) for t in body.sentences) <= INLINE_WORDS
         work = await _off_loop(inline, score_work, body, svc.compute, svc.settings)
-        result = await svc.submit(work, request.scope)
+        result = await svc.submit(work, request, timeout)
         inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
-        return await _off_loop(inline, lambda: _json(_score_response(result, body)))
+        return await _answer(svc, inline, lambda: _json(_score_response(result, body)), size)
 
     @app.get("/healthz")
     async def healthz() -> dict:
         """The process is up (says nothing about the model)."""
         return {"status": "ok"}
 
-    @app.get("/readyz", responses={503: {"description": "Loading or draining."}})
+    @app.get("/readyz", responses={503: {"description": "Loading, failed or draining."}})
     async def readyz() -> JSONResponse:
-        """200 once the model is loaded and warmed up; 503 while loading and after SIGTERM."""
+        """200 once the model is loaded and warmed up; 503 while loading, after SIGTERM, and for good
+        when the model failed to load or its self-check (`detail` says why)."""
+        if svc.failed is not None:
+            return JSONResponse({"status": "failed", "detail": svc.failed}, status_code=503)
         if svc.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not svc.ready:
@@ -447,7 +685,8 @@ def _add_routes(app: FastAPI, svc: Service) -> None:
     async def models() -> ModelsResponse:
         """The loaded neural LM and n-gram, device, default weights, lattice and batching settings."""
         if not svc.ready:
-            raise Unavailable("the model is still loading", retry_after=2)
+            raise Unavailable("the model failed its start-up check" if svc.failed else "the model is still loading",
+                              retry_after=2)
         return ModelsResponse.model_validate(svc.compute.info)
 
 
@@ -457,8 +696,9 @@ def _add_routes(app: FastAPI, svc: Service) -> None:
 
 def serve(settings: Settings) -> None:
     """Run the service in this process until SIGTERM/SIGINT. SIGTERM: /readyz turns 503 for
-    `drain_seconds`, then the listener closes, in-flight requests finish (up to
-    `graceful_timeout_s`), the model is released and the process exits with status 0."""
+    `drain_seconds`, then the listener closes, in-flight requests finish or get 503 within
+    `graceful_timeout_s`, the model is released and the process exits with status 0. A model
+    that fails to load or its self-check: no port is opened, ConfigError."""
     for key in ("lm", "ngram", "weights"):
         path = getattr(settings, key)
         if path is not None and not os.path.exists(path):
@@ -472,23 +712,94 @@ def serve(settings: Settings) -> None:
     app = create_app(settings)
     svc: Service = app.state.service
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            lifespan="on", timeout_graceful_shutdown=settings.graceful_timeout_s)
+                            lifespan="on", timeout_graceful_shutdown=settings.graceful_timeout_s,
+                            http=_timed_head_protocol(settings.header_timeout_s, svc.metrics))
+    config.load()
+    config.lifespan_class = _refusing_lifespan(svc)
     server = _Server(config, svc, settings.drain_seconds)
     # uvicorn re-raises the signal it handled once it is done; for SIGTERM that would kill the process
     # after a clean shutdown, so the handler it restores is a no-op.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()
+    except SystemExit:  # uvicorn's exit after a failed start-up
+        if svc.failed is None:
+            raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if svc.failed is not None:
+        raise ConfigError(f"the service refused to become ready: {svc.failed}")
     if not server.started:
         raise ConfigError("the service did not start (see the log above)")
 
 
+def _timed_head_protocol(timeout_s: float, metrics: Metrics) -> type:
+    """uvicorn's HTTP protocol with a deadline on every request's head: a connection whose head has
+    not arrived `timeout_s` after its first byte (or after it opened) gets 408 and is closed.
+    uvicorn times out idle keep-alive connections, but not a head sent slowly or stalled half-way."""
+    text = json.dumps(_error_body(f"the request head did not arrive within {timeout_s:g} s (header_timeout_s)",
+                                  "request_timeout")).encode()
+    reply = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+             b"content-length: %d\r\n\r\n%s" % (len(text), text))
+
+    class TimedHead(AutoHTTPProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timeout)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._reading_head():
+                if self._head_timer is None:  # the first bytes of the next request on this connection
+                    self._head_timer = self.loop.call_later(timeout_s, self._head_timeout)
+            elif self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _reading_head(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self._reading_head() and not self.transport.is_closing():
+                metrics.header_timeouts.inc()
+                self.transport.write(reply)
+                self.transport.close()
+
+    return TimedHead
+
+
+def _refusing_lifespan(svc: Service) -> type:
+    """uvicorn's lifespan, failing the start-up when the service refused to become ready: uvicorn
+    then opens no port and exits; the log holds our one line, not a traceback."""
+
+    class RefusingLifespan(LifespanOn):
+        async def send(self, message) -> None:
+            if message["type"] == "lifespan.startup.complete" and svc.failed is not None:
+                message = {"type": "lifespan.startup.failed", "message": ""}
+            await super().send(message)
+
+        async def startup(self) -> None:
+            await super().startup()
+            if self.startup_failed and svc.failed is not None:  # let the app's lifespan end: the worker stops
+                await self.receive_queue.put({"type": "lifespan.shutdown"})
+                await self.shutdown_event.wait()
+
+    return RefusingLifespan
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server with a drain period: the first SIGTERM marks the service as
-    draining (readiness probes fail, requests are still served) and only after
-    `drain_seconds` starts uvicorn's graceful shutdown."""
+    """uvicorn's server with a drain period and a bounded shutdown: the first SIGTERM marks the
+    service as draining (readiness probes fail, requests are still served) and only after
+    `drain_seconds` starts uvicorn's graceful shutdown, in which every request in flight is
+    answered (its result or 503) a little before uvicorn's own timeout would cancel it (a 500)."""
 
     def __init__(self, config, svc: Service, drain_seconds: float):
         super().__init__(config)
@@ -504,3 +815,9 @@ class _Server(uvicorn.Server):
             timer.start()
             return
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown or 0.0
+        # The margin leaves time to send the answers before uvicorn's timeout.
+        self.svc.begin_shutdown(time.perf_counter() + max(0.0, grace - min(0.5, grace / 4)))
+        await super().shutdown(sockets)

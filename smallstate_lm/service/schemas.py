@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 # Scores and weights are bounded so that no finite combination of them overflows.
 MAX_ABS_SCORE = 1e9
 MAX_ABS_WEIGHT = 1e4
+MAX_WORD_CHARS = 1000  # one word, whether given in `words` or inside a text
 
 
 _SPACE = re.compile(r"\s")  # for str patterns: exactly the characters of str.isspace(), which str.split() uses
@@ -36,8 +37,21 @@ def _word(s: str) -> str:
     return _unicode(s)
 
 
+def _words(s: str) -> str:
+    """Whitespace-separated words, each capped like an item of `words`."""
+    longest = max(map(len, s.split()), default=0)
+    if longest > MAX_WORD_CHARS:
+        raise ValueError(f"a word may have at most {MAX_WORD_CHARS} characters (as in 'words'); one here has "
+                         f"{longest}")
+    return _unicode(s)
+
+
 Text = Annotated[str, AfterValidator(_unicode)]
-Word = Annotated[str, Field(min_length=1, max_length=1000), AfterValidator(_word)]
+Words = Annotated[str, AfterValidator(_words)]
+# The pattern documents what _word checks (str.isspace, which the OpenAPI regex cannot spell exactly).
+Word = Annotated[str, Field(min_length=1, max_length=MAX_WORD_CHARS, json_schema_extra={"pattern": r"^\S+$"},
+                            description=f"One word: no whitespace, at most {MAX_WORD_CHARS} characters."),
+                 AfterValidator(_word)]
 Id = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_unicode)]
 Score = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_SCORE, le=MAX_ABS_SCORE)]
 WeightValue = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_WEIGHT, le=MAX_ABS_WEIGHT)]
@@ -59,7 +73,8 @@ class HypothesisIn(_Strict):
     model_config = ConfigDict(json_schema_extra=_exactly_one(("text", "string"), ("words", "array")))
 
     id: Optional[Id] = Field(None, description="Echoed back; default: the hypothesis's position in the list.")
-    text: Optional[Text] = Field(None, description="The words, separated by whitespace.")
+    text: Optional[Words] = Field(None, description=f"The words, separated by whitespace; each at most "
+                                  f"{MAX_WORD_CHARS} characters.")
     words: Optional[list[Word]] = Field(None, description="The words as a list (no whitespace inside a word).")
     am_score: Score = Field(..., description="Acoustic log-likelihood, natural log (higher is better).")
     graph_score: Score = Field(0.0, description="First-pass LM / graph log-probability, natural log.")
@@ -91,7 +106,7 @@ class UtteranceIn(_Strict):
     id: Id
     hypotheses: Optional[list[HypothesisIn]] = Field(None, min_length=1, description="An n-best list.")
     lattice: Optional[LatticeIn] = None
-    context: Optional[Text] = Field(
+    context: Optional[Words] = Field(
         None, description="Words said before this utterance (e.g. the previous transcript), whitespace-separated. "
         "Both LMs are conditioned on them (after <s>); their own log-probs are not counted. Hypothesis lists only.")
 
@@ -195,8 +210,9 @@ class RescoreResponse(BaseModel):
 
 
 class ScoreRequest(_Strict):
-    sentences: list[Text] = Field(..., min_length=1, description="Whitespace-separated words; each is scored "
-                                  "from <s> and includes </s>.")
+    sentences: list[Words] = Field(..., min_length=1, description="Whitespace-separated words (each at most "
+                                   f"{MAX_WORD_CHARS} characters); each sentence is scored from <s> and includes "
+                                   "</s>.")
     return_token_logprobs: bool = False
 
 
@@ -220,7 +236,7 @@ class ScoreResponse(BaseModel):
 
 
 class NeuralInfo(BaseModel):
-    path: str
+    name: str = Field(..., description="The run directory's (or checkpoint file's) name, not its path.")
     preset: str
     parameters: int
     vocab_size: int
@@ -230,7 +246,7 @@ class NeuralInfo(BaseModel):
 
 
 class NgramInfo(BaseModel):
-    path: str
+    name: str = Field(..., description="The n-gram file's name, not its path.")
     order: int
 
 

@@ -8,6 +8,7 @@ checked per request and answered with a 4xx naming the field and the limit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, fields
@@ -57,6 +58,18 @@ class Settings:
     max_words: int = 200  # words per hypothesis, context or sentence
     max_lattice_arcs: int = 100_000  # arcs per lattice (states are limited to arcs + 1)
     max_nbest: int = 100  # largest `nbest` a request may ask for (lattice n-best search grows with it)
+    # Cost estimates, checked before any work (413 beyond them): the neural LM tokens a request's hypothesis
+    # lists compute (unique prefixes: trie nodes), and the LM steps its lattices may take (per word arc, the
+    # histories its source state may hold: the paths into it, at most max_per_state).
+    max_trie_nodes: int = 200_000
+    max_lattice_cost: int = 2_000_000
+    # ---- deadlines and timeouts -------------------------------------------------------------
+    request_timeout_s: float = 30.0  # deadline of a request (from its first byte); X-Request-Timeout may shorten it
+    header_timeout_s: float = 10.0  # a request's head must arrive within this (else the connection is closed)
+    body_timeout_s: float = 30.0  # and its body within this after the head (else 408)
+    # Worker time one batch or lattice expansion gets before the worker turns to other queued work: a long
+    # job holds small ones for at most about this long.
+    slice_ms: float = 50.0
     # ---- shutdown -------------------------------------------------------------------------
     drain_seconds: float = 1.0  # after SIGTERM: /readyz answers 503 this long before the listener closes
     graceful_timeout_s: float = 30.0  # then in-flight requests get this long to finish
@@ -66,13 +79,16 @@ class Settings:
             raise ConfigError(f"setting batch_tokens must be >= 1, got {self.batch_tokens}")
         positive = ("max_states", "lattice_nbest", "max_batch_tokens", "max_queue", "max_body_bytes",
                     "max_utterances", "max_hypotheses", "max_words", "max_lattice_arcs", "max_nbest", "max_per_state",
-                    "max_ngram_order")
+                    "max_ngram_order", "max_trie_nodes", "max_lattice_cost")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_wait_ms", "drain_seconds", "graceful_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"setting {name} must be positive and finite, got {getattr(self, name)}")
         if self.beam <= 0:
             raise ConfigError(f"setting beam must be > 0, got {self.beam}")
         if self.threads is not None and self.threads < 1:
