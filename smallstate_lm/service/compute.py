@@ -198,7 +198,7 @@ class Compute:
 
     # ---- loading -------------------------------------------------------------------------------
     def load(self) -> None:
-        from smallstate_lm.checkpoint import load_model, self_check
+        from smallstate_lm.checkpoint import load_model
         from smallstate_lm.ngram import NgramLM
 
         s = self.s
@@ -214,11 +214,9 @@ class Compute:
         self.expand_config = ExpandConfig(max_ngram_order=None if s.exact else s.max_ngram_order, beam=s.beam,
                                           max_per_state=s.max_per_state, max_states=s.max_states)
         if s.lm is not None:
+            # load_model self-checks on this device (finite log-probs of a fixed sentence): a model that fails
+            # raises CheckpointError here, and the service never becomes ready
             self.loaded = load_model(s.lm, self.device)
-            # Finite log-probs of a fixed sentence on this device, or no readiness (CheckpointError): finite
-            # weights can still overflow in the forward. load_model checks too today; the service's readiness
-            # does not depend on that staying so.
-            self_check(self.loaded)
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
                                        s.share_prefixes)
