@@ -6,11 +6,20 @@ are expanded `batch_lattices` at a time, sharing LM calls), peak LM state memory
 
     python benchmarks/bench_lattice.py --lm models/bible-small --ngram runs/demo/lm4.bin \\
         [--lattices DIR_OR_FILES ...] [--words words.txt] [--refs ref.txt] [--weights weights.json] [--order 4]
+
+With `--against REV`: `smallstate-lm rescore` with the n-gram alone, this tree against a `git worktree`
+of REV, side by side in one run (alternating, the fastest of --repeats kept): wall time of the whole
+command (start-up and imports included), expanded states per second, and whether best.txt is identical.
+
+    python benchmarks/bench_lattice.py --against 7cc0070 --ngram runs/lm4.bin --lattices runs/devlat
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +54,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="at most this many lattices per directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--against", metavar="REV", help="compare n-gram-only `rescore` with git revision REV")
+    ap.add_argument("--nbest", type=int, default=10, help="with --against: rescore's --nbest")
     args = ap.parse_args()
+    if args.against:
+        return against(args)
     files: list[Path] = []
     for p in map(Path, args.lattices):
         files.extend(sorted(p.glob("*.lat.fst"))[: args.limit] if p.is_dir() else [p])
@@ -106,6 +119,68 @@ def main() -> None:
     print(body)
     if not args.no_write:
         write_section(f"bench_lattice-{torch.device(args.device).type}", body)
+
+
+def _timed_rescore(tree: Path, files: list[str], words: str, args, out: Path) -> tuple[float, int, bytes]:
+    """(wall seconds of the whole command, expanded states it reports, best.txt)."""
+    cmd = [sys.executable, "-m", "smallstate_lm.cli", "rescore", *files, "--words", words, "--ngram", args.ngram,
+           "--max-ngram-order", str(args.order), "-o", str(out), "--quiet"]
+    if args.nbest != 10:
+        cmd += ["--nbest", str(args.nbest)]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"{tree}: rescore failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    states = int(re.search(r"([\d,]+) expanded states", p.stdout + p.stderr).group(1).replace(",", ""))
+    return seconds, states, (out / "best.txt").read_bytes()
+
+
+def against(args) -> None:
+    """This tree's n-gram-only lattice rescoring against REV's, in one run."""
+    rev = subprocess.run(["git", "rev-parse", "--short", args.against], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    old_tree = Path(f"/tmp/bench-against-{rev}")
+    if not old_tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), rev], cwd=ROOT, check=True,
+                       capture_output=True)
+    files: list[str] = []
+    for p in map(Path, args.lattices):
+        files.extend(str(f.absolute()) for f in (sorted(p.glob("*.lat.fst"))[: args.limit] if p.is_dir() else [p]))
+    words = str(Path(args.words).absolute()) if args.words else str(Path(files[0]).parent / "words.txt")
+    args.ngram = str(Path(args.ngram).absolute())
+    runs = {"this tree": ROOT, f"{rev} (before)": old_tree}
+    best: dict[str, tuple[float, int, bytes]] = {}
+    for r in range(args.repeats):
+        for name, tree in runs.items():
+            got = _timed_rescore(tree, files, words, args, Path(f"/tmp/bench-against-out-{r}-{len(best)}"))
+            if name not in best or got[0] < best[name][0]:
+                best[name] = got
+    torch_import = subprocess.run([sys.executable, "-c", "import time; t = time.perf_counter(); import torch; "
+                                   "print(time.perf_counter() - t)"], capture_output=True, text=True).stdout
+    (new_s, new_n, new_best), (old_s, old_n, old_best) = best.values()
+    rows = [f"| {k} | {s:.2f} | {n:,} | {n / s:,.0f} |" for k, (s, n, _) in best.items()]
+    body = "\n".join([
+        f"## bench_lattice --against: n-gram-only rescoring, this tree vs {rev}",
+        "",
+        f"- Machine: {machine()}",
+        f"- Command: `{command()}`",
+        f"- {len(files)} lattices, n-gram `{args.ngram}`, order-{args.order} histories, `--nbest {args.nbest}`; "
+        f"wall time of the whole `smallstate-lm rescore` process (start-up, reading, expansion, n-best, writing), "
+        f"fastest of {args.repeats} alternating runs. Importing torch alone takes {float(torch_import):.2f} s here; "
+        "an n-gram-only run of this tree no longer imports it.",
+        "",
+        "| code | seconds | expanded states | states per second |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"Throughput {new_n / new_s / (old_n / old_s):.1f}x (target 10x); best.txt "
+        f"{'identical' if new_best == old_best else 'DIFFERENT'}; expanded states {new_n:,} vs {old_n:,}.",
+    ])
+    print(body)
+    if not args.no_write:
+        write_section("bench_lattice-against", body)
 
 
 if __name__ == "__main__":

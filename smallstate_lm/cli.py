@@ -295,13 +295,16 @@ def ngram_eval(
 
 def _load_lms(lm: Optional[Path], ngram: Optional[Path], device: str):
     """(the loaded neural LM or None, the n-gram or None); at least one must be given."""
-    from .checkpoint import load_model
-    from .device import pick_device
     from .ngram import NgramLM
 
     if lm is None and ngram is None:
         raise ConfigError("give a neural LM (--lm DIR), an n-gram (--ngram FILE), or both")
-    loaded = load_model(lm, pick_device(device)) if lm is not None else None
+    loaded = None
+    if lm is not None:  # only then torch: an n-gram-only run starts without it
+        from .checkpoint import load_model
+        from .device import pick_device
+
+        loaded = load_model(lm, pick_device(device))
     return loaded, (NgramLM(ngram) if ngram is not None else None)
 
 
@@ -338,7 +341,7 @@ def _symbols(words: Optional[Path], lattices):
 def _weights(path: Optional[Path], overrides: list[str], direct: dict | None = None):
     import dataclasses
 
-    from .scoring import Weights
+    from .weights import Weights
 
     w = Weights.load(path) if path else Weights()
     ov = {**parse_overrides(overrides), **{k: v for k, v in (direct or {}).items() if v is not None}}

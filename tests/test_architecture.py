@@ -16,6 +16,7 @@ LAYERS = {
     "device": (CORE, "core"),
     "models": (MODELS, "models"),
     "checkpoint": (SCORING, "scoring"), "ngram": (SCORING, "scoring"), "scoring": (SCORING, "scoring"),
+    "weights": (SCORING, "scoring"),
     "rescoring": (WORK, "rescoring"),
     "data": (WORK, "training"), "evaluate": (WORK, "training"), "train": (WORK, "training"),
     "distill": (WORK, "training"), "tasks": (WORK, "training"), "train_config": (WORK, "training"),
@@ -122,3 +123,25 @@ def test_the_graph_is_read():
     assert "smallstate_lm.rescoring.lattice_expand" in graph["smallstate_lm.cli"] | {
         d for m in graph if m.startswith("smallstate_lm.rescoring") for d in graph[m]}
     assert "smallstate_lm.state" in graph["smallstate_lm.scoring"]
+
+
+def test_an_ngram_only_rescore_imports_no_torch(kenlm_model, tmp_path):
+    """`rescore` and `tune` of lattices with an n-gram alone never touch a neural LM: importing
+    torch (about 2 s), Ray, FastAPI or transformers would be pure start-up cost."""
+    import subprocess
+    import sys
+
+    lat = PKG.parent / "lattices"
+    fsts = [str(p) for p in sorted(lat.glob("*.fst"))[:3]]
+    code = ("import sys\nfrom smallstate_lm.cli import main\n"
+            "for argv in sys.argv[1:]:\n"
+            "    try:\n        main(argv.split('|'))\n    except SystemExit as e:\n        assert not e.code, e.code\n"
+            "print(sorted(m for m in ('torch', 'ray', 'fastapi', 'transformers') if m in sys.modules))\n")
+    rescore = "|".join(["rescore", *fsts, "--words", str(lat / "words.txt"), "--ngram", str(kenlm_model),
+                        "--refs", str(lat / "ref.txt"), "-o", str(tmp_path / "out"), "--quiet"])
+    tune = "|".join(["tune", *fsts, "--words", str(lat / "words.txt"), "--ngram", str(kenlm_model),
+                     "--refs", str(lat / "ref.txt"), "-o", str(tmp_path / "w.json"), "--quiet"])
+    p = subprocess.run([sys.executable, "-c", code, rescore, tune], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
+    assert (tmp_path / "out" / "best.txt").exists() and (tmp_path / "w.json").exists()

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from ..errors import ConfigError, SmallstateError
 from ..ngram import NgramLM
-from ..scoring import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
 from ..vocab import EOS_ID, Vocabulary
+from ..weights import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
 from .lattice import Lattice, LatticeWarning, SymbolTable
 
 
@@ -198,9 +196,9 @@ class ExpandedLattice:
 def _levels(lat: Lattice) -> np.ndarray:
     """Longest-path depth of each state: states of one level have no arc between them."""
     level = np.zeros(lat.num_states, dtype=np.int64)
-    order = np.argsort(lat.src, kind="stable")
-    for e in order:  # states are topologically numbered, arcs sorted by source
-        s, t = lat.src[e], lat.dst[e]
+    src, dst = lat.src.tolist(), lat.dst.tolist()
+    for e in np.argsort(lat.src, kind="stable").tolist():  # states are topologically numbered
+        s, t = src[e], dst[e]
         if level[t] < level[s] + 1:
             level[t] = level[s] + 1
     return level
@@ -210,31 +208,66 @@ def _backward(lat: Lattice, w: Weights) -> np.ndarray:
     """Best completion cost from each state on the original lattice; the first-pass
     graph cost stands in for all LMs (their weights added), a look-ahead only."""
     lm_scale = w.graph_scale + w.lm_weight + w.ngram_weight
-    cost = w.am_scale * lat.acoustic + lm_scale * lat.graph
+    cost = (w.am_scale * lat.acoustic + lm_scale * lat.graph).tolist()
     beta = w.am_scale * lat.final_acoustic + lm_scale * lat.final_graph
-    beta = np.where(np.isfinite(beta), beta, np.inf)
-    for e in np.argsort(-lat.src, kind="stable"):
-        s, t = lat.src[e], lat.dst[e]
+    beta = np.where(np.isfinite(beta), beta, np.inf).tolist()
+    src, dst = lat.src.tolist(), lat.dst.tolist()
+    for e in np.argsort(-lat.src, kind="stable").tolist():
+        s, t = src[e], dst[e]
         c = cost[e] + beta[t]
         if c < beta[s]:
             beta[s] = c
-    return beta
+    return np.array(beta, dtype=np.float64)
 
 
-@dataclass
-class _Node:
-    lat: int
-    key: tuple
-    cost: float  # best forward cost (lower is better)
-    nn_ref: tuple | None  # (state object id, row)
-    ng_state: object | None
-    history: tuple  # decoder word ids along the best path into this node
-    idx: int = -1
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated aranges starts[i] .. starts[i] + counts[i]."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, counts)
+
+
+def _first_of_groups(group: np.ndarray, *keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Order rows by (group, *keys, position) and return (that order, the index in it
+    where each group starts): the first row of a group is its minimum by the keys,
+    ties to the earliest row, like a dict updated only on a strictly better value."""
+    order = np.lexsort((np.arange(len(group)), *reversed(keys), group))
+    g = group[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if len(g) else np.zeros(0, dtype=np.int64)
+    return order, starts
+
+
+class _Candidates:
+    """Paths arriving at the states of one level, in arrival order, as column chunks."""
+
+    COLUMNS = ("lat", "key", "cost", "nn_obj", "nn_row", "ng")
+
+    def __init__(self):
+        self.chunks: list[tuple[np.ndarray, ...]] = []
+        self.size = 0
+
+    def add(self, *cols: np.ndarray) -> int:
+        """Append rows; returns the position of the first in arrival order."""
+        first = self.size
+        self.chunks.append(cols)
+        self.size += len(cols[0])
+        return first
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        return tuple(np.concatenate([c[k] for c in self.chunks]) for k in range(len(self.COLUMNS)))
 
 
 class _Expansion:
     """One lattice's expansion, advanced one level at a time by the driver, which
-    merges the LM steps of many lattices into one batched call."""
+    merges the LM steps of many lattices into one batched call.
+
+    Expanded states live in arrays: per level, the paths arriving at its lattice states
+    are merged by (lattice state, history key), each kept with its best cost (ties to the
+    first arrival) and ordered by cost within its state (ties by first arrival), as a
+    dict of states updated arc by arc would; history keys and n-gram states are small
+    integers interned on the rescorer, so merging is integer work."""
 
     def __init__(self, rescorer: "LatticeRescorer", lat: Lattice):
         self.t0 = time.perf_counter()
@@ -245,149 +278,188 @@ class _Expansion:
         sym = lat.symbols
         self.stats = ExpandStats(lattice_states=lat.num_states, lattice_arcs=len(lat.src))
         self.is_word = np.array([sym.is_word(int(i)) for i in lat.word], dtype=bool)
-        self.words_str = {i: sym.word(i) for i in set(int(x) for x in lat.word[self.is_word])}
+        self.words_str = {i: sym.word(i) for i in set(lat.word[self.is_word].tolist())}
         vocab, ngram = rescorer.vocab, rescorer.ngram
-        self.lm_ids = {i: vocab.encode([ws])[0] for i, ws in self.words_str.items()} if vocab is not None else {}
         known = oov_reference(vocab, ngram)
-        self.oov = {i: float(count_oov([ws], known)) for i, ws in self.words_str.items()}
+        top = int(lat.word.max()) + 1 if len(lat.word) else 1
+        self.lm_id = np.zeros(top, dtype=np.int64)  # decoder word id -> LM token id
+        self.oov = np.zeros(top, dtype=np.float64)
+        for i, ws in self.words_str.items():
+            if vocab is not None:
+                self.lm_id[i] = vocab.encode([ws])[0]
+            self.oov[i] = float(count_oov([ws], known))
         self.first_pass = w.am_scale * lat.acoustic + w.graph_scale * lat.graph
         self.beta = _backward(lat, w)
-        self.out_arcs: list[list[int]] = [[] for _ in range(lat.num_states)]
-        for e in range(len(lat.src)):
-            self.out_arcs[lat.src[e]].append(e)
-        levels = _levels(lat)
-        by_level: dict[int, list[int]] = defaultdict(list)
-        for st in range(lat.num_states):
-            by_level[int(levels[st])].append(st)
-        self.levels = [by_level[k] for k in sorted(by_level)]
+        self.arc_order = np.argsort(lat.src, kind="stable")  # out-arcs of a state, in arc order
+        self.out_start = np.searchsorted(lat.src[self.arc_order], np.arange(lat.num_states + 1))
+        self.level_of = _levels(lat)
+        self.n_levels = int(self.level_of.max()) + 1 if lat.num_states else 0
+        self.pending = [_Candidates() for _ in range(self.n_levels)]
+        self.arrived: list[np.ndarray | None] = [None] * self.n_levels  # per level: arrival -> node (-1: pruned)
         self.level = 0
-        self.nodes_at: dict[int, dict[tuple, _Node]] = defaultdict(dict)
-        self.all_nodes: list[_Node] = []
-        self.arcs: list[tuple] = []  # (src node, dst node, lattice arc, nn, ng, oov)
-        self.finals: list[tuple] = []  # (node, final acoustic, final graph, nn </s>, ng </s>)
+        self.n_nodes = 0
+        self.node_lat: list[np.ndarray] = []
+        self.arcs: list[tuple] = []  # per level: (src node, dst level, dst arrival, lattice arc, nn, ng, oov)
+        self.finals: list[tuple] = []  # per level: (node, final acoustic, final graph, nn </s>, ng </s>)
         self.per_state_cap, self.beam = rescorer.cfg.max_per_state, rescorer.cfg.beam
-        self.live: list[_Node] = []
-        self.steps: list[tuple[_Node, int]] = []
-        self.step_of: dict[tuple[int, int], int] = {}
+        self.live: dict[str, np.ndarray] = {}
+        self.steps: dict[str, np.ndarray] = {}
 
     def start(self, nn_ref) -> None:
-        ng = self.r.ngram.initial_state() if self.r.ngram is not None else None
-        self.nodes_at[self.lat.start][()] = _Node(lat=self.lat.start, key=(), cost=0.0, nn_ref=nn_ref, ng_state=ng,
-                                                  history=())
+        st = self.lat.start
+        obj, row = nn_ref if nn_ref is not None else (-1, -1)
+        ng = self.r.ng_id(self.r.ngram.initial_state()) if self.r.ngram is not None else -1
+        self.pending[self.level_of[st]].add(np.array([st]), np.array([0]), np.array([0.0]), np.array([obj]),
+                                            np.array([row]), np.array([ng]))
 
     @property
     def done(self) -> bool:
-        return self.level >= len(self.levels)
+        return self.level >= self.n_levels
 
-    def prepare_level(self) -> list[tuple[tuple | None, int]]:
-        """Prune this level's nodes and list the LM steps it needs as (parent state ref,
-        LM token id; -1 for </s>). May return [] (a level of epsilon arcs only)."""
-        cfg = self.r.cfg
-        live: list[_Node] = []
-        for st in self.levels[self.level]:
-            live.extend(sorted(self.nodes_at.pop(st, {}).values(), key=lambda n: n.cost)[: self.per_state_cap])
-        if live:
-            best_est = min(n.cost + self.beta[n.lat] for n in live)
-            live = [n for n in live if n.cost + self.beta[n.lat] <= best_est + self.beam]
-        for n in live:
-            n.idx = len(self.all_nodes)
-            self.all_nodes.append(n)
-        if len(self.all_nodes) > cfg.max_states and not self.stats.pruned_harder:
+    def _merge_and_prune(self) -> dict[str, np.ndarray]:
+        """This level's expanded states: arrivals merged, capped per state, beam-pruned, numbered."""
+        cand = self.pending[self.level]
+        self.pending[self.level] = None  # type: ignore[call-overload]
+        if cand.size == 0:
+            self.arrived[self.level] = np.zeros(0, dtype=np.int64)
+            return {}
+        lat_s, key, cost, obj, row, ng = cand.columns()
+        group = lat_s * (1 << 40) + key
+        order, starts = _first_of_groups(group, cost)
+        winner = order[starts]
+        first_arrival = np.minimum.reduceat(order, starts)  # where the state's position was taken
+        member = np.empty(len(order), dtype=np.int64)  # arrival -> its merged state
+        member[order] = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(order)]))
+        m_lat, m_cost = lat_s[winner], cost[winner]
+        rank_order, state_starts = _first_of_groups(m_lat, m_cost, first_arrival)
+        rank = np.arange(len(rank_order)) - np.repeat(state_starts, np.diff(np.r_[state_starts, len(rank_order)]))
+        kept = rank_order[rank < self.per_state_cap]
+        if len(kept):
+            est = m_cost[kept] + self.beta[m_lat[kept]]
+            kept = kept[est <= est.min() + self.beam]
+        node_of = np.full(len(starts), -1, dtype=np.int64)
+        node_of[kept] = self.n_nodes + np.arange(len(kept))
+        self.arrived[self.level] = node_of[member]
+        self.n_nodes += len(kept)
+        self.node_lat.append(m_lat[kept])
+        if self.n_nodes > self.r.cfg.max_states and not self.stats.pruned_harder:
             self.stats.pruned_harder = True
             self.per_state_cap = max(1, self.per_state_cap // 4)
             self.beam /= 2
-        self.live = live
-        self.steps, self.step_of = [], {}
-        for n in live:
-            for e in self.out_arcs[n.lat]:
-                if self.is_word[e]:
-                    k = (n.idx, int(self.lat.word[e]))
-                    if k not in self.step_of:
-                        self.step_of[k] = len(self.steps)
-                        self.steps.append((n, int(self.lat.word[e])))
-            if np.isfinite(self.lat.final_graph[n.lat]):
-                self.step_of[(n.idx, -1)] = len(self.steps)
-                self.steps.append((n, -1))
-        if self.r.model is None:
-            return []
-        return [(n.nn_ref, EOS_ID if wd < 0 else self.lm_ids[wd]) for n, wd in self.steps]
+        w_kept = winner[kept]
+        return {"idx": node_of[kept], "lat": m_lat[kept], "key": key[w_kept], "cost": m_cost[kept],
+                "obj": obj[w_kept], "row": row[w_kept], "ng": ng[w_kept]}
+
+    def prepare_level(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Prune this level's states and list the LM steps it needs as arrays (parent state
+        object, row, LM token id): one per distinct (state, word) of its out-arcs, then
+        one for </s> where the state is final. May be empty (a level of epsilon arcs)."""
+        live = self.live = self._merge_and_prune()
+        if not live:
+            self.steps = {}
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        lat = self.lat
+        counts = self.out_start[live["lat"] + 1] - self.out_start[live["lat"]]
+        arc = self.arc_order[_ranges(self.out_start[live["lat"]], counts)]
+        node = np.repeat(np.arange(len(counts)), counts)  # position among the live states
+        is_word = self.is_word[arc]
+        word = np.where(is_word, lat.word[arc], -1)
+        pair = node * (len(self.lm_id) + 1) + word
+        uniq, first, inverse = np.unique(np.where(is_word, pair, -1 - np.arange(len(arc))), return_index=True,
+                                         return_inverse=True)
+        word_step = first[uniq >= 0]  # out-arc position of each distinct (state, word)
+        final = np.flatnonzero(np.isfinite(lat.final_graph[live["lat"]]))
+        # </s> goes after the state's word steps: its sort position is past every out-arc of the level
+        step_node = np.r_[node[word_step], final]
+        step_pos = np.r_[word_step, np.full(len(final), len(arc))]
+        step_order = np.lexsort((step_pos, step_node))
+        step_node, step_word = step_node[step_order], np.r_[word[word_step], np.full(len(final), -1)][step_order]
+        step_of_pos = np.empty(len(step_order), dtype=np.int64)
+        step_of_pos[step_order] = np.arange(len(step_order))
+        # out-arc -> its word step (via the distinct pairs, which np.unique sorted: words after the -1 fillers)
+        n_fill = int((uniq < 0).sum())
+        arc_step = (np.where(is_word, step_of_pos[np.clip(inverse - n_fill, 0, None)], -1) if len(word_step)
+                    else np.full(len(arc), -1, dtype=np.int64))
+        final_step = np.full(len(counts), -1, dtype=np.int64)
+        final_step[final] = step_of_pos[len(word_step) + np.arange(len(final))]
+        self.steps = {"node": step_node, "word": step_word, "arc": arc, "arc_node": node, "arc_step": arc_step,
+                      "final_step": final_step, "final": final}
+        token = np.where(step_word < 0, EOS_ID, self.lm_id[np.clip(step_word, 0, None)])
+        return live["obj"][step_node], live["row"][step_node], token
 
     def finish_level(self, nn_lp: np.ndarray | None, new_obj: int | None, row0: int) -> None:
         """Take this level's neural log-probs (rows row0.. of the shared call, whose
         output state is object `new_obj`), add the n-gram, and propagate."""
-        w, lat, ngram = self.r.w, self.lat, self.r.ngram
-        n_steps = len(self.steps)
-        nn = nn_lp if nn_lp is not None else np.zeros(n_steps)
-        ng = np.zeros(n_steps)
-        ng_next: list[object] = [None] * n_steps
-        if ngram is not None:
-            for i, (n, wd) in enumerate(self.steps):
-                if wd < 0:
-                    ng[i] = ngram.score_eos(n.ng_state)
-                else:
-                    ng[i], ng_next[i] = ngram.score_word(n.ng_state, self.words_str[wd])
-        lm = lm_score(w, nn, ng)
-        for n in self.live:
-            if np.isfinite(lat.final_graph[n.lat]):
-                i = self.step_of[(n.idx, -1)]
-                self.finals.append((n, lat.final_acoustic[n.lat], lat.final_graph[n.lat], nn[i], ng[i]))
-            for e in self.out_arcs[n.lat]:
-                t = int(lat.dst[e])
-                if self.is_word[e]:
-                    wd = int(lat.word[e])
-                    i = self.step_of[(n.idx, wd)]
-                    oov = self.oov[wd]
-                    c = n.cost + self.first_pass[e] - lm[i] - w.word_penalty - w.oov_penalty * oov
-                    hist = n.history + (wd,)
-                    nn_ref = (new_obj, row0 + i) if new_obj is not None else None
-                    ng_state = ng_next[i]
-                    rec = (n, e, nn[i], ng[i], oov)
-                else:
-                    c = n.cost + self.first_pass[e]
-                    hist, nn_ref, ng_state = n.history, n.nn_ref, n.ng_state
-                    rec = (n, e, 0.0, 0.0, 0.0)
-                key = self.r._key(hist)
-                succ = self.nodes_at[t].get(key)
-                if succ is None:
-                    succ = _Node(lat=t, key=key, cost=c, nn_ref=nn_ref, ng_state=ng_state, history=hist)
-                    self.nodes_at[t][key] = succ
-                elif c < succ.cost:
-                    succ.cost, succ.nn_ref, succ.ng_state, succ.history = c, nn_ref, ng_state, hist
-                self.arcs.append((rec[0], succ, rec[1], rec[2], rec[3], rec[4]))
-        self.live, self.steps, self.step_of = [], [], {}
+        live, steps = self.live, self.steps
+        self.live, self.steps = {}, {}
         self.level += 1
+        if not live:
+            return
+        w, lat = self.r.w, self.lat
+        n_steps = len(steps["node"])
+        nn = nn_lp if nn_lp is not None else np.zeros(n_steps)
+        ng, ng_next = self.r.ngram_steps(live["ng"][steps["node"]], steps["word"], self.words_str)
+        key_next = self.r.child_keys(live["key"][steps["node"]], steps["word"])
+        lm = lm_score(w, nn, ng)
+        fin, fs = steps["final"], steps["final_step"][steps["final"]]
+        fl = live["lat"][fin]
+        self.finals.append((live["idx"][fin], lat.final_acoustic[fl], lat.final_graph[fl], nn[fs], ng[fs]))
+        arc, node, i = steps["arc"], steps["arc_node"], steps["arc_step"]
+        word_arc = i >= 0
+        # epsilon arcs index one padding row past the steps (a level may have no steps at all)
+        j = np.where(word_arc, i, n_steps)
+        nn, ng, lm = np.r_[nn, 0.0], np.r_[ng, 0.0], np.r_[lm, 0.0]
+        key_next, ng_next = np.r_[key_next, -1], np.r_[ng_next, -1]
+        oov = np.where(word_arc, self.oov[np.where(word_arc, lat.word[arc], 0)], 0.0)
+        cost = np.where(word_arc, live["cost"][node] + self.first_pass[arc] - lm[j] - w.word_penalty
+                        - w.oov_penalty * oov, live["cost"][node] + self.first_pass[arc])
+        key = np.where(word_arc, key_next[j], live["key"][node])
+        obj = np.where(word_arc, -1 if new_obj is None else new_obj, live["obj"][node])
+        row = np.where(word_arc, row0 + j if new_obj is not None else -1, live["row"][node])
+        ng_state = np.where(word_arc, ng_next[j], live["ng"][node])
+        t = lat.dst[arc]
+        t_level = self.level_of[t]
+        arrival = np.empty(len(arc), dtype=np.int64)
+        for lv in np.unique(t_level).tolist():  # arrivals keep arc order within each target level
+            sel = np.flatnonzero(t_level == lv)
+            first = self.pending[lv].add(t[sel], key[sel], cost[sel], obj[sel], row[sel], ng_state[sel])
+            arrival[sel] = first + np.arange(len(sel))
+        self.arcs.append((live["idx"][node], t_level, arrival, arc, np.where(word_arc, nn[j], 0.0),
+                          np.where(word_arc, ng[j], 0.0), oov))
 
     def state_refs(self) -> set[int]:
-        return {nd.nn_ref[0] for d in self.nodes_at.values() for nd in d.values() if nd.nn_ref is not None}
+        """LM state objects that paths still waiting at later levels point into."""
+        refs: set[int] = set()
+        for cand in self.pending[self.level:]:
+            for chunk in cand.chunks:
+                refs.update(np.unique(chunk[3]).tolist())
+        refs.discard(-1)
+        return refs
 
     def result(self) -> ExpandedLattice:
         lat = self.lat
-        if not self.finals:
+        fin = [np.concatenate([f[k] for f in self.finals]) if self.finals else np.zeros(0) for k in range(5)]
+        if len(fin[0]) == 0:
             raise ConfigError(f"lattice {lat.name}: every path was pruned; widen --beam")
-        arcs = [a for a in self.arcs if a[1].idx >= 0]  # drop arcs into pruned nodes
+        src, t_level, arrival, lat_arc, nn, ng, oov = (np.concatenate([a[k] for a in self.arcs]) for k in range(7))
+        dst = np.empty(len(src), dtype=np.int64)
+        for lv in np.unique(t_level).tolist():
+            sel = t_level == lv
+            dst[sel] = self.arrived[lv][arrival[sel]]
+        keep = dst >= 0  # arcs into pruned states go
+        src, dst, lat_arc, nn, ng, oov = src[keep], dst[keep], lat_arc[keep], nn[keep], ng[keep], oov[keep]
         st = self.stats
-        st.expanded_states, st.expanded_arcs = len(self.all_nodes), len(arcs)
+        st.expanded_states, st.expanded_arcs = self.n_nodes, len(src)
         st.seconds = time.perf_counter() - self.t0
-        E = len(arcs)
-        lat_arc = np.array([a[2] for a in arcs], dtype=np.int64).reshape(E)
-
-        def col(k):
-            return np.array([a[k] for a in arcs], dtype=np.float64).reshape(E)
-
-        fin = self.finals
         return ExpandedLattice(
-            name=lat.name,
-            node_lat=np.array([n.lat for n in self.all_nodes], dtype=np.int64),
-            src=np.array([a[0].idx for a in arcs], dtype=np.int64).reshape(E),
-            dst=np.array([a[1].idx for a in arcs], dtype=np.int64).reshape(E),
-            word=lat.word[lat_arc].astype(np.int64), acoustic=lat.acoustic[lat_arc], graph=lat.graph[lat_arc],
-            nn=col(3), ng=col(4), is_word=self.is_word[lat_arc].astype(np.float64), oov=col(5),
-            final_node=np.array([f[0].idx for f in fin], dtype=np.int64),
-            final_acoustic=np.array([f[1] for f in fin], dtype=np.float64),
-            final_graph=np.array([f[2] for f in fin], dtype=np.float64),
-            final_nn=np.array([f[3] for f in fin], dtype=np.float64),
-            final_ng=np.array([f[4] for f in fin], dtype=np.float64),
-            symbols=lat.symbols, stats=st, source=lat)
+            name=lat.name, node_lat=np.concatenate(self.node_lat).astype(np.int64),
+            src=src, dst=dst, word=lat.word[lat_arc].astype(np.int64), acoustic=lat.acoustic[lat_arc],
+            graph=lat.graph[lat_arc], nn=nn.astype(np.float64), ng=ng.astype(np.float64),
+            is_word=self.is_word[lat_arc].astype(np.float64), oov=oov.astype(np.float64),
+            final_node=fin[0].astype(np.int64), final_acoustic=fin[1].astype(np.float64),
+            final_graph=fin[2].astype(np.float64), final_nn=fin[3].astype(np.float64),
+            final_ng=fin[4].astype(np.float64), symbols=lat.symbols, stats=st, source=lat)
 
 
 class LatticeRescorer:
@@ -396,29 +468,85 @@ class LatticeRescorer:
     `expand_many` advances up to `cfg.batch_lattices` lattices together, level by
     level, so each LM call carries the steps of all of them: one lattice level alone
     holds too few steps to keep a CPU's caches or a GPU busy.
+
+    History keys and n-gram states are interned as integers for the rescorer's life, and
+    KenLM is asked once per (n-gram state, word): lattices of one run share their words.
     """
 
     def __init__(self, weights: Weights, model=None, vocab: Vocabulary | None = None, ngram: NgramLM | None = None,
-                 config: ExpandConfig | None = None, device: str | torch.device = "cpu"):
+                 config: ExpandConfig | None = None, device="cpu"):
         if model is None and ngram is None:
             raise ConfigError("lattice rescoring needs a neural LM, an n-gram, or both")
         if model is not None and vocab is None:
             raise ConfigError("a neural LM needs its vocabulary")
         self.w, self.model, self.vocab, self.ngram = weights, model, vocab, ngram
         self.cfg = config or ExpandConfig()
-        self.device = torch.device(device)
+        self.device = device
+        if model is not None:  # an n-gram-only run never imports torch
+            import torch
+
+            self.device = torch.device(device)
         self.lm_calls = 0
+        self._keys: list[tuple] = [()]  # key id -> history key (decoder word ids)
+        self._key_id: dict[tuple, int] = {(): 0}
+        self._child: dict[tuple[int, int], int] = {}  # (key id, word) -> key id after the word
+        self._ng_states: list = []
+        self._ng_id: dict = {}
+        self._ng_cache: dict[tuple[int, int], tuple[float, int]] = {}  # (state id, word; -1 </s>) -> (ln p, next)
 
     def _key(self, history: tuple) -> tuple:
         n = self.cfg.max_ngram_order
         if n is None:
             return history
-        return history[len(history) - (n - 1):] if n > 1 else ()
+        return history[-(n - 1):] if n > 1 else ()  # the whole history while it is shorter than n - 1
+
+    def child_keys(self, parents: np.ndarray, words: np.ndarray) -> np.ndarray:
+        """History key ids after each (key id, word); -1 where the word is -1 (</s>)."""
+        out = np.full(len(parents), -1, dtype=np.int64)
+        child, keys, key_id = self._child, self._keys, self._key_id
+        for i, (k, wd) in enumerate(zip(parents.tolist(), words.tolist())):
+            if wd < 0:
+                continue
+            c = child.get((k, wd))
+            if c is None:
+                key = self._key(keys[k] + (wd,))
+                c = key_id.get(key)
+                if c is None:
+                    c = key_id[key] = len(keys)
+                    keys.append(key)
+                child[(k, wd)] = c
+            out[i] = c
+        return out
+
+    def ng_id(self, state) -> int:
+        i = self._ng_id.get(state)
+        if i is None:
+            i = self._ng_id[state] = len(self._ng_states)
+            self._ng_states.append(state)
+        return i
+
+    def ngram_steps(self, states: np.ndarray, words: np.ndarray, words_str: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(ln p of each step's word, or </s> where the word is -1; the n-gram state id after it)."""
+        n = len(states)
+        if self.ngram is None:
+            return np.zeros(n), np.full(n, -1, dtype=np.int64)
+        lp, nxt = np.empty(n), np.full(n, -1, dtype=np.int64)
+        cache, ngram = self._ng_cache, self.ngram
+        for i, (s, wd) in enumerate(zip(states.tolist(), words.tolist())):
+            hit = cache.get((s, wd))
+            if hit is None:
+                if wd < 0:
+                    hit = (ngram.score_eos(self._ng_states[s]), -1)
+                else:
+                    p, after = ngram.score_word(self._ng_states[s], words_str[wd])
+                    hit = (p, self.ng_id(after))
+                cache[(s, wd)] = hit
+            lp[i], nxt[i] = hit
+        return lp, nxt
 
     def expand(self, lat: Lattice) -> ExpandedLattice:
         return next(iter(self.expand_many([lat])))[1]
 
-    @torch.no_grad()
     def expand_many(self, lats, on_error=None, should_stop=None, pause: bool = False):
         """Yield (index, ExpandedLattice) as lattices finish (not in input order).
         `lats` may be an iterable of Lattice or of callables returning one; a
@@ -458,27 +586,20 @@ class LatticeRescorer:
             if not active:
                 return
             requests = [(i, x, x.prepare_level()) for i, x in active]
-            total = sum(len(r) for _, _, r in requests)
             lp, new_obj = None, None
-            if total:
-                refs = [ref for _, _, r in requests for ref, _ in r]
-                tokens = torch.tensor([[tok] for _, _, r in requests for _, tok in r], dtype=torch.long,
-                                      device=self.device)
-                logp, new_state = self.model.score(tokens, self._gather(refs, objs))
-                lp = logp[:, 0].double().cpu().numpy()
+            if self.model is not None and any(len(r[2]) for _, _, r in requests):
+                lp = self._lm_call(requests, objs, next_obj)
                 new_obj, next_obj = next_obj, next_obj + 1
-                objs[new_obj] = new_state.compact()
-                self.lm_calls += 1
             live_bytes = sum(o.nbytes for o in objs.values())
             row0 = 0
             still = []
             for i, x, r in requests:
-                n = len(r)
-                if n:
+                n = len(r[2])
+                if n and self.model is not None:
                     x.stats.lm_calls += 1
                     x.stats.lm_rows += n
                 x.stats.peak_state_bytes = max(x.stats.peak_state_bytes, live_bytes)
-                x.finish_level(lp[row0: row0 + n] if n else None, new_obj if n else None, row0)
+                x.finish_level(lp[row0: row0 + n] if lp is not None and n else None, new_obj if n else None, row0)
                 row0 += n
                 if x.done:
                     try:
@@ -498,24 +619,38 @@ class LatticeRescorer:
             if pause:
                 yield None
 
-    def _gather(self, refs: list[tuple], objs: dict[int, object]):
-        """One state with row i = refs[i] = (object, row), across state objects."""
-        src: dict[int, list[int]] = defaultdict(list)
-        dst: dict[int, list[int]] = defaultdict(list)
-        for i, (o, r) in enumerate(refs):
-            src[o].append(r)
-            dst[o].append(i)
-        if len(src) == 1:
-            (o, rows), = src.items()
-            if rows == list(range(objs[o].batch_size)):
-                return objs[o]
-        pieces = [(objs[o], torch.as_tensor(src[o], device=self.device), torch.as_tensor(dst[o], device=self.device))
-                  for o in src]
-        return type(pieces[0][0]).assemble(pieces, len(refs)).compact()
+    def _lm_call(self, requests, objs: dict[int, object], new_obj: int) -> np.ndarray:
+        """One batched LM step for every lattice's level: log-probs per row, the new state stored as `new_obj`."""
+        import torch
+
+        obj = np.concatenate([r[0] for _, _, r in requests])
+        row = np.concatenate([r[1] for _, _, r in requests])
+        tok = np.concatenate([r[2] for _, _, r in requests])
+        with torch.no_grad():
+            tokens = torch.as_tensor(tok, dtype=torch.long, device=self.device)[:, None]
+            logp, new_state = self.model.score(tokens, self._gather(obj, row, objs))
+            objs[new_obj] = new_state.compact()
+        self.lm_calls += 1
+        return logp[:, 0].double().cpu().numpy()
+
+    def _gather(self, obj: np.ndarray, row: np.ndarray, objs: dict[int, object]):
+        """One state with row i = row[i] of state object obj[i]."""
+        import torch
+
+        uniq, first = np.unique(obj, return_index=True)
+        uniq = uniq[np.argsort(first)]  # pieces in order of first use
+        if len(uniq) == 1 and np.array_equal(row, np.arange(objs[int(uniq[0])].batch_size)):
+            return objs[int(uniq[0])]
+        pieces = []
+        for o in uniq.tolist():
+            at = np.flatnonzero(obj == o)
+            pieces.append((objs[o], torch.as_tensor(row[at], device=self.device),
+                           torch.as_tensor(at, device=self.device)))
+        return type(pieces[0][0]).assemble(pieces, len(obj)).compact()
 
 
 def build_rescorer(weights: Weights, lm=None, ngram: NgramLM | None = None, config: ExpandConfig | None = None,
-                   device: str | torch.device | None = None) -> LatticeRescorer:
+                   device=None) -> LatticeRescorer:
     """The one way every front end (CLI, Ray workers, the service) builds a lattice rescorer.
 
     `lm` is a loaded neural LM (`checkpoint.load_model`'s result: model + vocabulary) or None;

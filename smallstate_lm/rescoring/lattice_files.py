@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
-from ..scoring import Weights
+from ..weights import Weights
 from .lattice import Lattice, SymbolTable
 from .lattice_expand import ExpandedLattice, ExpandStats, LatticeRescorer
 from .lattice_io import read_lattice, utterance_id, write_fst

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from ..errors import ConfigError, SmallstateError
 from ..ngram import NgramLM
-from ..scoring import (
-    NeuralScorer,
-    Weights,
-    check_overlap,
-    count_oov,
-    log_mix,
-    oov_reference,
-    weighted_total,
-)
+from ..weights import Weights, check_overlap, count_oov, log_mix, oov_reference, weighted_total
 from .nbest_io import Utterance
 from .wer import pairwise_errors
+
+if TYPE_CHECKING:  # the n-gram-only path never imports torch
+    from ..scoring import NeuralScorer
 
 # MBR compares hypotheses pairwise (quadratic), so it considers the first ones of each list
 # in the decoder's order; the rest are ranked after them by total.

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import ConfigError, SmallstateError
-from ..scoring import Weights
+from ..weights import Weights
 from .lattice_expand import ExpandConfig, LatticeRescorer, build_rescorer
 from .lattice_files import LatticeOutputs, LatticeRunSummary, rescore_lattices
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ConfigError, SmallstateError
-from ..scoring import COMPONENTS, Weights, weight_vector
+from ..weights import COMPONENTS, Weights, weight_vector
 from .nbest import MBR_DECIMALS, Components, linear_lm, mbr_distances
 from .nbest_io import Utterance
 from .wer import align_counts
