@@ -371,11 +371,14 @@ def rescore(
                                            help="Score each hypothesis as its own padded row."),
     words: Optional[Path] = typer.Option(None, "--words", help="The decoder's words.txt (lattices)."),
     max_ngram_order: int = typer.Option(4, help="Lattices: merge histories sharing their last n-1 words."),
-    exact: bool = typer.Option(False, help="Lattices: keep full histories (no merging)."),
+    exact: bool = typer.Option(False, help="Lattices: full word histories, never merged; still pruned by --beam "
+                               "and --max-per-state (give --beam inf --max-per-state 1000000 for no pruning on "
+                               "small lattices; --max-states then bounds the work by pruning harder)."),
     beam: float = typer.Option(12.0, help="Lattices: pruning beam on forward + best-completion cost."),
     max_per_state: int = typer.Option(64, help="Lattices: expanded states kept per lattice state."),
     max_states: int = typer.Option(200_000, help="Lattices: expanded states per lattice before pruning harder."),
-    nbest: int = typer.Option(10, help="Lattices: distinct word sequences written to nbest.jsonl."),
+    nbest: int = typer.Option(10, min=0, help="Lattices: distinct word sequences written to nbest.jsonl (0: no "
+                              "nbest.jsonl and no k-best search, only best.txt and the lattices)."),
     ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help="Lattices: rescore on a Ray cluster "
                                       "(needs ray[data]; see docs/ray.md): 'local' starts one on this machine; "
                                       "'auto', HOST:PORT or ray://HOST:PORT joins one."),
@@ -467,7 +470,8 @@ def tune(
     nbest: List[Path] = typer.Option([], "--nbest", help="Dev n-best file (repeatable)."),
     words: Optional[Path] = typer.Option(None, "--words", help="The decoder's words.txt (OpenFST lattices)."),
     max_ngram_order: int = typer.Option(4, help="Lattices: history merging order."),
-    exact: bool = typer.Option(False, help="Lattices: exact histories."),
+    exact: bool = typer.Option(False, help="Lattices: full word histories, never merged (still beam-pruned: "
+                               "see rescore --help)."),
     refs: Path = typer.Option(..., "--refs", help="Dev references `utt w1 w2 ...`."),
     lm: Optional[Path] = typer.Option(None, "--lm"),
     ngram: Optional[Path] = typer.Option(None, "--ngram"),

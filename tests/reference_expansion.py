@@ -351,3 +351,55 @@ class LatticeRescorer:
         pieces = [(objs[o], torch.as_tensor(src[o], device=self.device), torch.as_tensor(dst[o], device=self.device))
                   for o in src]
         return type(pieces[0][0]).assemble(pieces, len(refs)).compact()
+
+
+def reference_nbest(self, w: Weights, n: int = 1) -> list[dict]:
+    """`ExpandedLattice.nbest` as it was before the lazy k-best (kbest.py): up to n partial
+    word sequences per node; `self` is an ExpandedLattice."""
+    cost = self.arc_costs(w)
+    fcost = self.final_costs(w)
+    N = len(self.node_lat)
+    out_arcs: list[list[int]] = [[] for _ in range(N)]
+    for e in np.argsort(self.src, kind="stable"):
+        out_arcs[self.src[e]].append(int(e))
+    # per node: up to n partial paths (cost, words, arc list), distinct in words
+    parts: list[dict[tuple, tuple[float, list[int]]]] = [dict() for _ in range(N)]
+    parts[0][()] = (0.0, [])
+    finals: dict[tuple, tuple[float, list[int], int]] = {}
+    is_final = {int(f): i for i, f in enumerate(self.final_node)}
+    for v in range(N):
+        if not parts[v]:
+            continue
+        best = sorted(parts[v].items(), key=lambda kv: kv[1][0])[:n]
+        parts[v] = {}
+        if v in is_final:
+            i = is_final[v]
+            for words, (c, arcs) in best:
+                tot = c + fcost[i]
+                if words not in finals or tot < finals[words][0]:
+                    finals[words] = (tot, arcs, i)
+        for e in out_arcs[v]:
+            t = self.dst[e]
+            wd = int(self.word[e]) if self.is_word[e] > 0 else None
+            for words, (c, arcs) in best:
+                nw = words + (wd,) if wd is not None else words
+                nc = c + cost[e]
+                cur = parts[t].get(nw)
+                if cur is None or nc < cur[0]:
+                    parts[t][nw] = (nc, arcs + [e])
+        best = None
+    ranked = sorted(finals.items(), key=lambda kv: kv[1][0])[:n]
+    out = []
+    for words, (tot, arcs, fi) in ranked:
+        a = np.array(arcs, dtype=np.int64)
+        comp = {
+            "am": float(-self.acoustic[a].sum() - self.final_acoustic[fi]),
+            "graph": float(-self.graph[a].sum() - self.final_graph[fi]),
+            "neural": float(self.nn[a].sum() + self.final_nn[fi]),
+            "ngram": float(self.ng[a].sum() + self.final_ng[fi]),
+            "n_words": int(self.is_word[a].sum()),
+            "n_oov": int(self.oov[a].sum()),
+            "total": float(-tot),
+        }
+        out.append({"words": [self.symbols.word(i) for i in words], **comp})
+    return out

@@ -105,3 +105,20 @@ def test_short_histories_merge_only_on_their_whole_history(tmp_path):
     assert counts[3] == [1, 2, 2, 1]  # (a, x) and (b, x) apart; (x, y) after both
     assert counts[4] == [1, 2, 2, 2]
 
+
+
+def test_nbest_zero_writes_best_txt_without_an_nbest_list(tmp_path, kenlm_model):
+    """`--nbest 0`: no k-best search and no nbest.jsonl; best.txt is the Viterbi path, the same
+    as the first entry of the n-best list of a default run."""
+    from conftest import run_cli
+
+    lat = ROOT / "lattices"
+    fsts = sorted(lat.glob("*.fst"))[:4]
+    common = ["--words", lat / "words.txt", "--ngram", kenlm_model, "--refs", lat / "ref.txt", "--quiet"]
+    full = run_cli("rescore", *fsts, *common, "-o", tmp_path / "full")
+    lean = run_cli("rescore", *fsts, *common, "-o", tmp_path / "lean", "--nbest", "0")
+    assert full.returncode == 0 and lean.returncode == 0, full.stderr + lean.stderr
+    assert (tmp_path / "full" / "nbest.jsonl").exists() and not (tmp_path / "lean" / "nbest.jsonl").exists()
+    assert (tmp_path / "lean" / "best.txt").read_text() == (tmp_path / "full" / "best.txt").read_text()
+    assert (tmp_path / "lean" / "wer.txt").read_text() == (tmp_path / "full" / "wer.txt").read_text()
+    assert sorted(p.name for p in (tmp_path / "lean" / "lattices").iterdir()) == [f.name for f in fsts]

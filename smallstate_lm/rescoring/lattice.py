@@ -280,19 +280,23 @@ class Lattice:
 
 
 def _reach(S: int, frm: np.ndarray, to: np.ndarray, seeds: list[int]) -> np.ndarray:
-    """(S,) bool: states reachable from `seeds` following arcs frm -> to."""
+    """(S,) bool: states reachable from `seeds` following arcs frm -> to (a breadth-first
+    frontier at a time, in arrays: lattices are a few dozen arcs deep and thousands wide)."""
     order = np.argsort(frm, kind="stable")
     offsets = np.searchsorted(frm[order], np.arange(S + 1))
     targets = to[order]
     seen = np.zeros(S, dtype=bool)
-    seen[seeds] = True
-    stack = list(seeds)
-    while stack:
-        s = stack.pop()
-        nxt = targets[offsets[s]:offsets[s + 1]]
-        new = nxt[~seen[nxt]]
-        seen[new] = True
-        stack.extend(new.tolist())
+    frontier = np.unique(np.asarray(seeds, dtype=np.int64))
+    seen[frontier] = True
+    while frontier.size:
+        counts = offsets[frontier + 1] - offsets[frontier]
+        total = int(counts.sum())
+        if total == 0:
+            break
+        at = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(offsets[frontier], counts)
+        nxt = targets[at]
+        frontier = np.unique(nxt[~seen[nxt]])
+        seen[frontier] = True
     return seen
 
 

@@ -25,6 +25,7 @@ from ..errors import ConfigError, SmallstateError
 from ..ngram import NgramLM
 from ..vocab import EOS_ID, Vocabulary
 from ..weights import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
+from .kbest import nbest_dicts
 from .lattice import Lattice, LatticeWarning, SymbolTable
 
 
@@ -122,54 +123,8 @@ class ExpandedLattice:
 
     def nbest(self, w: Weights, n: int = 1) -> list[dict]:
         """The n best distinct word sequences under `w`, best first, each with its
-        components (natural log) and total (higher is better)."""
-        cost = self.arc_costs(w)
-        fcost = self.final_costs(w)
-        N = len(self.node_lat)
-        out_arcs: list[list[int]] = [[] for _ in range(N)]
-        for e in np.argsort(self.src, kind="stable"):
-            out_arcs[self.src[e]].append(int(e))
-        # per node: up to n partial paths (cost, words, arc list), distinct in words
-        parts: list[dict[tuple, tuple[float, list[int]]]] = [dict() for _ in range(N)]
-        parts[0][()] = (0.0, [])
-        finals: dict[tuple, tuple[float, list[int], int]] = {}
-        is_final = {int(f): i for i, f in enumerate(self.final_node)}
-        for v in range(N):
-            if not parts[v]:
-                continue
-            best = sorted(parts[v].items(), key=lambda kv: kv[1][0])[:n]
-            parts[v] = {}
-            if v in is_final:
-                i = is_final[v]
-                for words, (c, arcs) in best:
-                    tot = c + fcost[i]
-                    if words not in finals or tot < finals[words][0]:
-                        finals[words] = (tot, arcs, i)
-            for e in out_arcs[v]:
-                t = self.dst[e]
-                wd = int(self.word[e]) if self.is_word[e] > 0 else None
-                for words, (c, arcs) in best:
-                    nw = words + (wd,) if wd is not None else words
-                    nc = c + cost[e]
-                    cur = parts[t].get(nw)
-                    if cur is None or nc < cur[0]:
-                        parts[t][nw] = (nc, arcs + [e])
-            best = None
-        ranked = sorted(finals.items(), key=lambda kv: kv[1][0])[:n]
-        out = []
-        for words, (tot, arcs, fi) in ranked:
-            a = np.array(arcs, dtype=np.int64)
-            comp = {
-                "am": float(-self.acoustic[a].sum() - self.final_acoustic[fi]),
-                "graph": float(-self.graph[a].sum() - self.final_graph[fi]),
-                "neural": float(self.nn[a].sum() + self.final_nn[fi]),
-                "ngram": float(self.ng[a].sum() + self.final_ng[fi]),
-                "n_words": int(self.is_word[a].sum()),
-                "n_oov": int(self.oov[a].sum()),
-                "total": float(-tot),
-            }
-            out.append({"words": [self.symbols.word(i) for i in words], **comp})
-        return out
+        components (natural log) and total (higher is better): lazy k-best (kbest.py)."""
+        return nbest_dicts(self, w, n)
 
     def to_lattice(self, w: Weights) -> Lattice:
         """The rescored lattice: acoustic costs untouched, the new LM score folded into
@@ -235,7 +190,7 @@ def _first_of_groups(group: np.ndarray, *keys: np.ndarray) -> tuple[np.ndarray, 
     ties to the earliest row, like a dict updated only on a strictly better value."""
     order = np.lexsort((np.arange(len(group)), *reversed(keys), group))
     g = group[order]
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if len(g) else np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], g[1:] != g[:-1]])) if len(g) else np.zeros(0, dtype=np.int64)
     return order, starts
 
 
@@ -277,7 +232,8 @@ class _Expansion:
         w = rescorer.w
         sym = lat.symbols
         self.stats = ExpandStats(lattice_states=lat.num_states, lattice_arcs=len(lat.src))
-        self.is_word = np.array([sym.is_word(int(i)) for i in lat.word], dtype=bool)
+        mask = sym.word_mask()
+        self.is_word = (lat.word < mask.size) & mask[np.minimum(lat.word, mask.size - 1)]
         self.words_str = {i: sym.word(i) for i in set(lat.word[self.is_word].tolist())}
         vocab, ngram = rescorer.vocab, rescorer.ngram
         known = oov_reference(vocab, ngram)
@@ -329,10 +285,10 @@ class _Expansion:
         winner = order[starts]
         first_arrival = np.minimum.reduceat(order, starts)  # where the state's position was taken
         member = np.empty(len(order), dtype=np.int64)  # arrival -> its merged state
-        member[order] = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(order)]))
+        member[order] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(order))))
         m_lat, m_cost = lat_s[winner], cost[winner]
         rank_order, state_starts = _first_of_groups(m_lat, m_cost, first_arrival)
-        rank = np.arange(len(rank_order)) - np.repeat(state_starts, np.diff(np.r_[state_starts, len(rank_order)]))
+        rank = np.arange(len(rank_order)) - np.repeat(state_starts, np.diff(np.append(state_starts, len(rank_order))))
         kept = rank_order[rank < self.per_state_cap]
         if len(kept):
             est = m_cost[kept] + self.beta[m_lat[kept]]
@@ -371,10 +327,11 @@ class _Expansion:
         word_step = first[uniq >= 0]  # out-arc position of each distinct (state, word)
         final = np.flatnonzero(np.isfinite(lat.final_graph[live["lat"]]))
         # </s> goes after the state's word steps: its sort position is past every out-arc of the level
-        step_node = np.r_[node[word_step], final]
-        step_pos = np.r_[word_step, np.full(len(final), len(arc))]
+        step_node = np.concatenate([node[word_step], final])
+        step_pos = np.concatenate([word_step, np.full(len(final), len(arc))])
         step_order = np.lexsort((step_pos, step_node))
-        step_node, step_word = step_node[step_order], np.r_[word[word_step], np.full(len(final), -1)][step_order]
+        step_word = np.concatenate([word[word_step], np.full(len(final), -1)])[step_order]
+        step_node = step_node[step_order]
         step_of_pos = np.empty(len(step_order), dtype=np.int64)
         step_of_pos[step_order] = np.arange(len(step_order))
         # out-arc -> its word step (via the distinct pairs, which np.unique sorted: words after the -1 fillers)
@@ -409,8 +366,8 @@ class _Expansion:
         word_arc = i >= 0
         # epsilon arcs index one padding row past the steps (a level may have no steps at all)
         j = np.where(word_arc, i, n_steps)
-        nn, ng, lm = np.r_[nn, 0.0], np.r_[ng, 0.0], np.r_[lm, 0.0]
-        key_next, ng_next = np.r_[key_next, -1], np.r_[ng_next, -1]
+        nn, ng, lm = np.append(nn, 0.0), np.append(ng, 0.0), np.append(lm, 0.0)
+        key_next, ng_next = np.append(key_next, -1), np.append(ng_next, -1)
         oov = np.where(word_arc, self.oov[np.where(word_arc, lat.word[arc], 0)], 0.0)
         cost = np.where(word_arc, live["cost"][node] + self.first_pass[arc] - lm[j] - w.word_penalty
                         - w.oov_penalty * oov, live["cost"][node] + self.first_pass[arc])

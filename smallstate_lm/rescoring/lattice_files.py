@@ -57,7 +57,8 @@ class LatticeResult:
 
     path: str
     name: str = ""
-    nbest: list[dict] = field(default_factory=list)
+    nbest: list[dict] = field(default_factory=list)  # empty when no n-best list was asked for
+    best: list[str] = field(default_factory=list)
     first_pass: list[str] = field(default_factory=list)
     lattice: Lattice | None = None
     stats: ExpandStats | None = None
@@ -67,7 +68,8 @@ class LatticeResult:
     def of(cls, path: str | Path, exp: ExpandedLattice, w: Weights, nbest: int = 10,
            write_lattices: bool = True) -> LatticeResult:
         first_pass_scales = (w.am_scale, 1.0)  # the decoder's own best path: graph + am_scale * acoustic
-        return cls(path=str(path), name=exp.name, nbest=exp.nbest(w, nbest),
+        hyps = exp.nbest(w, nbest) if nbest > 0 else []
+        return cls(path=str(path), name=exp.name, nbest=hyps, best=hyps[0]["words"] if hyps else exp.best_words(w),
                    first_pass=exp.source.best_path(*first_pass_scales)[0],
                    lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats)
 
@@ -87,8 +89,8 @@ class LatticeResult:
 class LatticeOutputs:
     """Collects `LatticeResult`s in any order and writes the run's outputs under `out`:
     `lattices/<name>.lat.fst` as each result arrives, then on `finish()` best.txt,
-    nbest.jsonl and (with `refs`) wer.txt in the order of `paths`, unless every result
-    failed. Every file is written atomically, and nothing is created before the first
+    nbest.jsonl (unless no n-best list was asked for) and (with `refs`) wer.txt in the order of
+    `paths`, unless every result failed. Every file is written atomically, and nothing is created before the first
     output (a run that fails to start leaves no directory behind). A failed result is counted, reported through
     `on_error(path, message)` and skipped."""
 
@@ -119,12 +121,13 @@ class LatticeOutputs:
         summary.peak_state_bytes = max(summary.peak_state_bytes, st.peak_state_bytes)
         if st.pruned_harder:
             summary.pruned_harder.append(r.name)
-        self.best[r.name] = r.nbest[0]["words"]
+        self.best[r.name] = r.best
         self.first[r.name] = r.first_pass
-        self.nbest_utts.append(Utterance(r.name, [
-            Hypothesis(words=h["words"], am=h["am"], graph=h["graph"], id=str(k),
-                       scores={key: v for key, v in h.items() if key != "words"} | {"rank": k})
-            for k, h in enumerate(r.nbest)]))
+        if r.nbest:
+            self.nbest_utts.append(Utterance(r.name, [
+                Hypothesis(words=h["words"], am=h["am"], graph=h["graph"], id=str(k),
+                           scores={key: v for key, v in h.items() if key != "words"} | {"rank": k})
+                for k, h in enumerate(r.nbest)]))
         if self.write_lattices and r.lattice is not None:
             write_fst(self.out / "lattices" / f"{r.name}.lat.fst", r.lattice)
 
@@ -145,7 +148,8 @@ class LatticeOutputs:
         best = dict(sorted(self.best.items(), key=lambda kv: order.get(kv[0], 0)))
         self.nbest_utts.sort(key=lambda u: order.get(u.utt, 0))
         # nbest.jsonl first: its writer refuses non-finite scores, and then best.txt is not written either
-        write_nbest_jsonl(out / "nbest.jsonl", self.nbest_utts)
+        if self.nbest_utts:  # none with --nbest 0
+            write_nbest_jsonl(out / "nbest.jsonl", self.nbest_utts)
         write_text(out / "best.txt", best)
         if self.refs is not None:
             total, fp = write_wer_report(out / "wer.txt", self.refs, best, self.first)

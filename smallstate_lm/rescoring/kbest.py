@@ -1,0 +1,198 @@
+"""The n best distinct word sequences of an expanded lattice, by lazy k-best derivations.
+
+Huang & Chiang (2005), "Better k-best parsing", algorithm 3, on a DAG (a hypergraph whose
+edges have one tail): a forward Viterbi pass gives every node its best cost from the start;
+then each node keeps a sorted list of its derivations (paths from the start), extended only
+on demand from a heap of candidates (cost, in-arc, rank of the derivation at the arc's
+source). The final weights are in-arcs of one virtual sink node, so the sink's list is the
+answer.
+
+Distinctness is enforced at every node, not only at the sink: a node lists only the best
+derivation of each word prefix (epsilon arcs add no word), because a worse path with the same
+prefix extends to the same word sequences, always at a higher cost. This keeps PocketSphinx-style
+lattices, where one word sequence has thousands of time alignments, from flooding the search:
+each node lists at most n + 1 derivations, so the work is bounded by (arcs + finals) * (n + 1)
+candidate pops, and in practice only the nodes near the best paths are visited at all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import warnings
+
+import numpy as np
+
+# Candidate pops allowed over all nodes before the search gives up (a safety net: the natural
+# bound above only exceeds it for very large lattices with a large n).
+DEFAULT_MAX_PATHS = 2_000_000
+
+
+class KbestTruncated(UserWarning):
+    """The k-best search hit its cap on examined paths and returned fewer than n sequences."""
+
+
+class _LazyKbest:
+    """Derivation lists of one DAG; node `n_nodes` is the virtual sink, arcs E.. are the finals."""
+
+    def __init__(self, n_nodes, src, dst, cost, final_node, final_cost, word_key):
+        n_arcs = len(src)
+        self.n_arcs, self.sink = n_arcs, n_nodes
+        if (n_arcs and int(np.max(dst)) >= n_nodes) or (len(final_node) and int(np.max(final_node)) >= n_nodes):
+            raise ValueError(f"a node number is not below n_nodes={n_nodes}")
+        src = np.concatenate([np.asarray(src, dtype=np.int64), np.asarray(final_node, dtype=np.int64)])
+        dst = np.concatenate([np.asarray(dst, dtype=np.int64), np.full(len(final_node), n_nodes, dtype=np.int64)])
+        cost = np.concatenate([np.asarray(cost, dtype=np.float64), np.asarray(final_cost, dtype=np.float64)])
+        word = np.concatenate([np.asarray(word_key, dtype=np.int64), np.full(len(final_node), -1, dtype=np.int64)])
+        if len(src) and (src.min() < 0 or bool((src >= dst).any())):
+            raise ValueError("arcs must go from a lower to a higher node number (topological order, start 0)")
+        order = np.argsort(dst, kind="stable")
+        self.in_start = np.searchsorted(dst[order], np.arange(n_nodes + 2)).tolist()
+        self.in_arcs = order.tolist()
+        self.src, self.cost, self.word = src.tolist(), cost.tolist(), word.tolist()
+        alpha = self._forward(n_nodes + 1)
+        # cost of each arc's best derivation: the key of its rank-0 candidate at the arc's target
+        self.arc_best = (np.asarray(alpha)[src] + cost).tolist()
+        self.derivs: list[list[tuple]] = [[] for _ in range(n_nodes + 1)]  # (cost, arc, rank at source, prefix)
+        self.derivs[0].append((0.0, -1, -1, 0))
+        self.heaps: list[list | None] = [None] * (n_nodes + 1)
+        self.pending: list[tuple | None] = [None] * (n_nodes + 1)  # last pop, whose successor is not pushed yet
+        self.prefixes_at: list[set | None] = [None] * (n_nodes + 1)
+        self.exhausted = [False] * (n_nodes + 1)
+        self.exhausted[0] = True  # the start has no in-arc: its empty path is its only derivation
+        self.trie: dict[tuple[int, int], int] = {}  # (prefix id, word) -> prefix id; 0 is the empty prefix
+        self.pops = 0
+
+    def _forward(self, n: int) -> list[float]:
+        """Viterbi: the best cost from the start to each node (inf where none reaches it)."""
+        alpha = [math.inf] * n
+        alpha[0] = 0.0
+        src, cost, arcs, start = self.src, self.cost, self.in_arcs, self.in_start
+        for v in range(1, n):
+            best = math.inf
+            for e in arcs[start[v]:start[v + 1]]:
+                d = alpha[src[e]] + cost[e]
+                if d < best:
+                    best = d
+            alpha[v] = best
+        return alpha
+
+    def ensure(self, v: int, k: int, max_pops: int) -> bool:
+        """Extend node v's list to rank k (or until v has no more); False when the pop cap stopped it.
+
+        An explicit stack replaces the paper's recursion: a path can be thousands of arcs long."""
+        derivs, heaps, pending, exhausted = self.derivs, self.heaps, self.pending, self.exhausted
+        src, cost, word, trie = self.src, self.cost, self.word, self.trie
+        stack = [(v, k)]
+        while stack:
+            v, k = stack[-1]
+            if len(derivs[v]) > k or exhausted[v]:
+                stack.pop()
+                continue
+            heap = heaps[v]
+            if heap is None:
+                heap = heaps[v] = self._first_candidates(v)
+                self.prefixes_at[v] = set()
+            last = pending[v]
+            if last is not None:  # the popped candidate's successor may be the next best: push it first
+                e, j = last
+                du = derivs[src[e]]
+                if len(du) <= j + 1 and not exhausted[src[e]]:
+                    stack.append((src[e], j + 1))
+                    continue
+                pending[v] = None
+                if len(du) > j + 1:
+                    heapq.heappush(heap, (du[j + 1][0] + cost[e], e, j + 1))
+            if not heap:
+                exhausted[v] = True
+                stack.pop()
+                continue
+            c, e, j = heap[0]
+            du = derivs[src[e]]
+            if len(du) <= j:  # a rank-0 candidate whose source has not been listed yet
+                stack.append((src[e], j))
+                continue
+            if self.pops >= max_pops:
+                return False
+            self.pops += 1
+            heapq.heappop(heap)
+            prefix = du[j][3]
+            if word[e] >= 0:
+                prefix = trie.setdefault((prefix, word[e]), len(trie) + 1)
+            seen = self.prefixes_at[v]
+            if prefix not in seen:
+                seen.add(prefix)
+                derivs[v].append((c, e, j, prefix))
+            pending[v] = (e, j)
+        return True
+
+    def _first_candidates(self, v: int) -> list[tuple]:
+        best = self.arc_best
+        heap = [(best[e], e, 0) for e in self.in_arcs[self.in_start[v]:self.in_start[v + 1]] if best[e] < math.inf]
+        heapq.heapify(heap)
+        return heap
+
+    def arcs_of(self, v: int, k: int) -> list[int]:
+        """The arcs of node v's rank-k derivation, from the start."""
+        arcs = []
+        while v != 0:
+            _, e, j, _ = self.derivs[v][k]
+            arcs.append(e)
+            v, k = self.src[e], j
+        return arcs[::-1]
+
+
+def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, n: int,
+                max_paths: int = DEFAULT_MAX_PATHS) -> list[tuple[float, np.ndarray, int]]:
+    """The n cheapest distinct word sequences of a DAG, cheapest first: (total cost, the arcs of
+    the sequence's cheapest path from node 0 in order, the index into final_node it ends with).
+
+    Nodes are numbered topologically (every arc goes to a higher number) and node 0 is the start;
+    an arc's word_key is its word as an int, negative for an arc that carries none (epsilon).
+    Totals add costs along the path from 0.0 in path order, then the final cost. Ties between
+    sequences go to the lower last arc (a final counts as arc len(src) + its index), then
+    recursively the same at the arc's source, so the answer is deterministic.
+
+    `max_paths` caps the candidate derivations examined over all nodes. When the cap is hit the
+    sequences found so far are returned (they are the true best ones, in order, just fewer than
+    n) and a KbestTruncated warning says so; it never returns a wrong sequence or total."""
+    final_node = np.asarray(final_node, dtype=np.int64)
+    if n < 1 or len(final_node) == 0:
+        return []
+    kb = _LazyKbest(n_nodes, src, dst, cost, final_node, final_cost, word_key)
+    sink = kb.sink
+    for k in range(n):
+        if not kb.ensure(sink, k, max_paths):
+            warnings.warn(f"k-best search stopped after examining {kb.pops} paths (max_paths={max_paths}): "
+                          f"{len(kb.derivs[sink])} of {n} word sequences returned", KbestTruncated, stacklevel=2)
+            break
+        if len(kb.derivs[sink]) <= k:
+            break  # fewer than n distinct sequences exist
+    out = []
+    for k, (total, e, _, _) in enumerate(kb.derivs[sink][:n]):
+        arcs = kb.arcs_of(sink, k)
+        out.append((total, np.array(arcs[:-1], dtype=np.int64), e - kb.n_arcs))
+    return out
+
+
+def nbest_dicts(expanded, w, n: int) -> list[dict]:
+    """`ExpandedLattice.nbest(w, n)`: the n best distinct word sequences of an expanded lattice
+    under weights `w`, best first, each as a dict of its words, natural-log components (those of
+    its best path) and total (higher is better)."""
+    x = expanded
+    word_key = np.where(x.is_word > 0, x.word, -1)
+    paths = kbest_paths(len(x.node_lat), x.src, x.dst, x.arc_costs(w), x.final_node, x.final_costs(w), word_key, n)
+    out = []
+    for tot, a, fi in paths:
+        words = x.word[a][x.is_word[a] > 0]
+        out.append({
+            "words": [x.symbols.word(int(i)) for i in words],
+            "am": float(-x.acoustic[a].sum() - x.final_acoustic[fi]),
+            "graph": float(-x.graph[a].sum() - x.final_graph[fi]),
+            "neural": float(x.nn[a].sum() + x.final_nn[fi]),
+            "ngram": float(x.ng[a].sum() + x.final_ng[fi]),
+            "n_words": int(x.is_word[a].sum()),
+            "n_oov": int(x.oov[a].sum()),
+            "total": float(-tot),
+        })
+    return out
