@@ -54,11 +54,16 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="at most this many lattices per directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="where the wall time of a rescoring run with the "
+                    "neural LM and the n-gram goes (read, expansion bookkeeping, n-gram, LM forward, k-best, write)")
     ap.add_argument("--against", metavar="REV", help="compare n-gram-only `rescore` with git revision REV")
-    ap.add_argument("--nbest", type=int, default=10, help="with --against: rescore's --nbest")
+    ap.add_argument("--nbest", type=int, default=10, help="with --against: this tree's rescore --nbest (REV keeps "
+                    "its default, 10)")
     args = ap.parse_args()
     if args.against:
         return against(args)
+    if args.breakdown:
+        return breakdown(args)
     files: list[Path] = []
     for p in map(Path, args.lattices):
         files.extend(sorted(p.glob("*.lat.fst"))[: args.limit] if p.is_dir() else [p])
@@ -125,7 +130,7 @@ def _timed_rescore(tree: Path, files: list[str], words: str, args, out: Path) ->
     """(wall seconds of the whole command, expanded states it reports, best.txt)."""
     cmd = [sys.executable, "-m", "smallstate_lm.cli", "rescore", *files, "--words", words, "--ngram", args.ngram,
            "--max-ngram-order", str(args.order), "-o", str(out), "--quiet"]
-    if args.nbest != 10:
+    if args.nbest != 10 and tree == ROOT:  # the older revision runs as it did by default
         cmd += ["--nbest", str(args.nbest)]
     env = dict(os.environ, PYTHONPATH=str(tree))
     t0 = time.perf_counter()
@@ -166,7 +171,8 @@ def against(args) -> None:
         "",
         f"- Machine: {machine()}",
         f"- Command: `{command()}`",
-        f"- {len(files)} lattices, n-gram `{args.ngram}`, order-{args.order} histories, `--nbest {args.nbest}`; "
+        f"- {len(files)} lattices, n-gram `{args.ngram}`, order-{args.order} histories, `--nbest {args.nbest}` "
+        f"(REV: its default, 10); "
         f"wall time of the whole `smallstate-lm rescore` process (start-up, reading, expansion, n-best, writing), "
         f"fastest of {args.repeats} alternating runs. Importing torch alone takes {float(torch_import):.2f} s here; "
         "an n-gram-only run of this tree no longer imports it.",
@@ -181,6 +187,78 @@ def against(args) -> None:
     print(body)
     if not args.no_write:
         write_section("bench_lattice-against", body)
+
+
+class _Clock:
+    """Seconds spent inside wrapped callables, by name (nested ones are subtracted from their caller)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.stack: list[float] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **k):
+            self.stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent = time.perf_counter() - t0
+                inner = self.stack.pop()
+                self.seconds[name] = self.seconds.get(name, 0.0) + spent - inner
+                if self.stack:
+                    self.stack[-1] += spent
+        return timed
+
+
+def breakdown(args) -> None:
+    """One rescoring run of the lattices with the neural LM and the n-gram, its wall time split by phase."""
+    from smallstate_lm.rescoring.lattice_io import write_fst
+
+    files: list[Path] = []
+    for p in map(Path, args.lattices):
+        files.extend(sorted(p.glob("*.lat.fst"))[: args.limit] if p.is_dir() else [p])
+    words = Path(args.words) if args.words else files[0].parent / "words.txt"
+    weights_path = Path(args.weights) if args.weights else None
+    w = Weights.load(weights_path) if weights_path else Weights(am_scale=1 / 9.5)
+    symbols = SymbolTable.read(words)
+    lm, ngram = load_model(args.lm, args.device), NgramLM(args.ngram)
+    clock = _Clock()
+    rescorer = LatticeRescorer(w, lm.model, lm.vocab, ngram, ExpandConfig(max_ngram_order=args.order), args.device)
+    rescorer._lm_call = clock.wrap("LM forward (incl. gathering states)", rescorer._lm_call)
+    rescorer.ngram_steps = clock.wrap("n-gram (KenLM)", rescorer.ngram_steps)
+    t0 = time.perf_counter()
+    lats = [clock.wrap("read", read_lattice)(f, symbols) for f in files]
+    expand = clock.wrap("expansion bookkeeping", lambda: list(rescorer.expand_many(lats)))
+    done = expand()
+    kbest = clock.wrap("k-best (10 distinct)", lambda e: e.nbest(w, 10))
+    write = clock.wrap("write rescored lattices", lambda e, d: write_fst(d / f"{e.name}.lat.fst", e.to_lattice(w)))
+    out = Path("/tmp/bench-breakdown")
+    out.mkdir(exist_ok=True)
+    for _, e in done:
+        kbest(e)
+        write(e, out)
+    total = time.perf_counter() - t0
+    rows = [f"| {k} | {v:.2f} | {100 * v / total:.0f}% |" for k, v in clock.seconds.items()]
+    states = sum(e.stats.expanded_states for _, e in done)
+    body = "\n".join([
+        f"## bench_lattice --breakdown: where a rescoring run's time goes, {args.device}",
+        "",
+        f"- Machine: {machine()}",
+        f"- Command: `{command()}`",
+        f"- {len(files)} lattices, {states:,} expanded states, {rescorer.lm_calls} LM calls; LM `{args.lm}` "
+        f"({lm.config.name}), n-gram `{args.ngram}`, order-{args.order} histories; one run, in-process timers.",
+        "",
+        "| phase | seconds | share |",
+        "|---|---|---|",
+        *rows,
+        f"| total | {total:.2f} | 100% |",
+        "",
+        f"LM forward share {100 * clock.seconds['LM forward (incl. gathering states)'] / total:.0f}% (target 60%).",
+    ])
+    print(body)
+    if not args.no_write:
+        write_section(f"bench_lattice-breakdown-{torch.device(args.device).type}", body)
 
 
 if __name__ == "__main__":

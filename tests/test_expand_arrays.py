@@ -122,3 +122,20 @@ def test_nbest_zero_writes_best_txt_without_an_nbest_list(tmp_path, kenlm_model)
     assert (tmp_path / "lean" / "best.txt").read_text() == (tmp_path / "full" / "best.txt").read_text()
     assert (tmp_path / "lean" / "wer.txt").read_text() == (tmp_path / "full" / "wer.txt").read_text()
     assert sorted(p.name for p in (tmp_path / "lean" / "lattices").iterdir()) == [f.name for f in fsts]
+
+
+def test_a_lattice_without_arcs_expands_alone_and_beside_others(lats, kenlm_model):
+    """A one-state lattice (start = final, no arcs) gives its </s> path, alone and in a batch."""
+    from smallstate_lm.rescoring.lattice import Lattice
+
+    sym = lats[0].symbols
+    empty = Lattice(name="empty", num_states=1, start=0, src=np.zeros(0, dtype=np.int64),
+                    dst=np.zeros(0, dtype=np.int64), word=np.zeros(0, dtype=np.int64), graph=np.zeros(0),
+                    acoustic=np.zeros(0), final_graph=np.array([0.5]), final_acoustic=np.array([1.0]), symbols=sym)
+    ngram = NgramLM(kenlm_model)
+    for batch in ([empty], [empty, empty], [lats[0], empty, lats[1]]):
+        got = dict(LatticeRescorer(W, ngram=ngram).expand_many(batch))
+        assert len(got) == len(batch)
+        for i, lat in enumerate(batch):
+            if lat is empty:
+                assert got[i].best_words(W) == [] and len(got[i].final_node) == 1

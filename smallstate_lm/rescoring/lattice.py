@@ -304,6 +304,8 @@ def _topological_order(S: int, keep: np.ndarray, src: np.ndarray, dst: np.ndarra
     """Kept states in topological order, smallest id first among the ready ones (so an already sorted
     lattice keeps its numbering). After trimming, the start is the only state without predecessors, so it
     comes first. A cycle raises, naming a state on it."""
+    if bool(np.all(src < dst)):  # numbered in topological order already: smallest-first Kahn is the identity
+        return np.flatnonzero(keep).astype(np.int64)
     indeg = np.bincount(dst, minlength=S)
     order_arcs = np.argsort(src, kind="stable")
     offsets = np.searchsorted(src[order_arcs], np.arange(S + 1))

@@ -184,14 +184,25 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, counts)
 
 
-def _first_of_groups(group: np.ndarray, *keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Order rows by (group, *keys, position) and return (that order, the index in it
-    where each group starts): the first row of a group is its minimum by the keys,
-    ties to the earliest row, like a dict updated only on a strictly better value."""
-    order = np.lexsort((np.arange(len(group)), *reversed(keys), group))
-    g = group[order]
-    starts = np.flatnonzero(np.concatenate([[True], g[1:] != g[:-1]])) if len(g) else np.zeros(0, dtype=np.int64)
-    return order, starts
+def _sort_groups(groups: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Order rows by (*groups, *keys, position) and return (that order, the index in it where
+    each group starts): the first row of a group is its minimum by the keys, ties to the
+    earliest row, like a dict updated only on a strictly better value."""
+    n = len(groups[0])
+    order = np.lexsort((np.arange(n), *reversed(keys), *reversed(groups)))
+    if n == 0:
+        return order, np.zeros(0, dtype=np.int64)
+    change = np.zeros(n, dtype=bool)
+    change[0] = True
+    for g in groups:
+        v = g[order]
+        change[1:] |= v[1:] != v[:-1]
+    return order, np.flatnonzero(change)
+
+
+def _segments(starts: np.ndarray, n: int) -> np.ndarray:
+    """Group number of each of n sorted rows, given where groups start."""
+    return np.repeat(np.arange(len(starts)), np.diff(np.append(starts, n)))
 
 
 class _Candidates:
@@ -215,14 +226,9 @@ class _Candidates:
 
 
 class _Expansion:
-    """One lattice's expansion, advanced one level at a time by the driver, which
-    merges the LM steps of many lattices into one batched call.
-
-    Expanded states live in arrays: per level, the paths arriving at its lattice states
-    are merged by (lattice state, history key), each kept with its best cost (ties to the
-    first arrival) and ordered by cost within its state (ties by first arrival), as a
-    dict of states updated arc by arc would; history keys and n-gram states are small
-    integers interned on the rescorer, so merging is integer work."""
+    """One lattice's expansion: its arrays, the paths waiting at each level, and what the
+    levels done so far produced. The driver advances many together, one level each per
+    step (`_Frontier`), so that one LM call and one set of array operations serve all."""
 
     def __init__(self, rescorer: "LatticeRescorer", lat: Lattice):
         self.t0 = time.perf_counter()
@@ -234,16 +240,18 @@ class _Expansion:
         self.stats = ExpandStats(lattice_states=lat.num_states, lattice_arcs=len(lat.src))
         mask = sym.word_mask()
         self.is_word = (lat.word < mask.size) & mask[np.minimum(lat.word, mask.size - 1)]
-        self.words_str = {i: sym.word(i) for i in set(lat.word[self.is_word].tolist())}
+        self.arc_lm = np.zeros(len(lat.word), dtype=np.int64)  # per arc: LM token id of its word
+        self.arc_oov = np.zeros(len(lat.word), dtype=np.float64)
+        self.arc_gword = np.full(len(lat.word), -1, dtype=np.int64)  # the rescorer's id of its word string
         vocab, ngram = rescorer.vocab, rescorer.ngram
         known = oov_reference(vocab, ngram)
-        top = int(lat.word.max()) + 1 if len(lat.word) else 1
-        self.lm_id = np.zeros(top, dtype=np.int64)  # decoder word id -> LM token id
-        self.oov = np.zeros(top, dtype=np.float64)
-        for i, ws in self.words_str.items():
-            if vocab is not None:
-                self.lm_id[i] = vocab.encode([ws])[0]
-            self.oov[i] = float(count_oov([ws], known))
+        at = np.flatnonzero(self.is_word)
+        ids, inverse = np.unique(lat.word[at], return_inverse=True)
+        strings = [sym.word(i) for i in ids.tolist()]
+        if vocab is not None:
+            self.arc_lm[at] = np.array([vocab.encode([ws])[0] for ws in strings], dtype=np.int64)[inverse]
+        self.arc_oov[at] = np.array([float(count_oov([ws], known)) for ws in strings])[inverse]
+        self.arc_gword[at] = np.array([rescorer.word_id(ws) for ws in strings], dtype=np.int64)[inverse]
         self.first_pass = w.am_scale * lat.acoustic + w.graph_scale * lat.graph
         self.beta = _backward(lat, w)
         self.arc_order = np.argsort(lat.src, kind="stable")  # out-arcs of a state, in arc order
@@ -258,8 +266,6 @@ class _Expansion:
         self.arcs: list[tuple] = []  # per level: (src node, dst level, dst arrival, lattice arc, nn, ng, oov)
         self.finals: list[tuple] = []  # per level: (node, final acoustic, final graph, nn </s>, ng </s>)
         self.per_state_cap, self.beam = rescorer.cfg.max_per_state, rescorer.cfg.beam
-        self.live: dict[str, np.ndarray] = {}
-        self.steps: dict[str, np.ndarray] = {}
 
     def start(self, nn_ref) -> None:
         st = self.lat.start
@@ -272,118 +278,14 @@ class _Expansion:
     def done(self) -> bool:
         return self.level >= self.n_levels
 
-    def _merge_and_prune(self) -> dict[str, np.ndarray]:
-        """This level's expanded states: arrivals merged, capped per state, beam-pruned, numbered."""
-        cand = self.pending[self.level]
-        self.pending[self.level] = None  # type: ignore[call-overload]
-        if cand.size == 0:
-            self.arrived[self.level] = np.zeros(0, dtype=np.int64)
-            return {}
-        lat_s, key, cost, obj, row, ng = cand.columns()
-        group = lat_s * (1 << 40) + key
-        order, starts = _first_of_groups(group, cost)
-        winner = order[starts]
-        first_arrival = np.minimum.reduceat(order, starts)  # where the state's position was taken
-        member = np.empty(len(order), dtype=np.int64)  # arrival -> its merged state
-        member[order] = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(order))))
-        m_lat, m_cost = lat_s[winner], cost[winner]
-        rank_order, state_starts = _first_of_groups(m_lat, m_cost, first_arrival)
-        rank = np.arange(len(rank_order)) - np.repeat(state_starts, np.diff(np.append(state_starts, len(rank_order))))
-        kept = rank_order[rank < self.per_state_cap]
-        if len(kept):
-            est = m_cost[kept] + self.beta[m_lat[kept]]
-            kept = kept[est <= est.min() + self.beam]
-        node_of = np.full(len(starts), -1, dtype=np.int64)
-        node_of[kept] = self.n_nodes + np.arange(len(kept))
-        self.arrived[self.level] = node_of[member]
-        self.n_nodes += len(kept)
-        self.node_lat.append(m_lat[kept])
+    def numbered(self, kept_lat: np.ndarray) -> None:
+        """This level kept these states (lattice state ids, in node order)."""
+        self.node_lat.append(kept_lat)
+        self.n_nodes += len(kept_lat)
         if self.n_nodes > self.r.cfg.max_states and not self.stats.pruned_harder:
             self.stats.pruned_harder = True
             self.per_state_cap = max(1, self.per_state_cap // 4)
             self.beam /= 2
-        w_kept = winner[kept]
-        return {"idx": node_of[kept], "lat": m_lat[kept], "key": key[w_kept], "cost": m_cost[kept],
-                "obj": obj[w_kept], "row": row[w_kept], "ng": ng[w_kept]}
-
-    def prepare_level(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Prune this level's states and list the LM steps it needs as arrays (parent state
-        object, row, LM token id): one per distinct (state, word) of its out-arcs, then
-        one for </s> where the state is final. May be empty (a level of epsilon arcs)."""
-        live = self.live = self._merge_and_prune()
-        if not live:
-            self.steps = {}
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        lat = self.lat
-        counts = self.out_start[live["lat"] + 1] - self.out_start[live["lat"]]
-        arc = self.arc_order[_ranges(self.out_start[live["lat"]], counts)]
-        node = np.repeat(np.arange(len(counts)), counts)  # position among the live states
-        is_word = self.is_word[arc]
-        word = np.where(is_word, lat.word[arc], -1)
-        pair = node * (len(self.lm_id) + 1) + word
-        uniq, first, inverse = np.unique(np.where(is_word, pair, -1 - np.arange(len(arc))), return_index=True,
-                                         return_inverse=True)
-        word_step = first[uniq >= 0]  # out-arc position of each distinct (state, word)
-        final = np.flatnonzero(np.isfinite(lat.final_graph[live["lat"]]))
-        # </s> goes after the state's word steps: its sort position is past every out-arc of the level
-        step_node = np.concatenate([node[word_step], final])
-        step_pos = np.concatenate([word_step, np.full(len(final), len(arc))])
-        step_order = np.lexsort((step_pos, step_node))
-        step_word = np.concatenate([word[word_step], np.full(len(final), -1)])[step_order]
-        step_node = step_node[step_order]
-        step_of_pos = np.empty(len(step_order), dtype=np.int64)
-        step_of_pos[step_order] = np.arange(len(step_order))
-        # out-arc -> its word step (via the distinct pairs, which np.unique sorted: words after the -1 fillers)
-        n_fill = int((uniq < 0).sum())
-        arc_step = (np.where(is_word, step_of_pos[np.clip(inverse - n_fill, 0, None)], -1) if len(word_step)
-                    else np.full(len(arc), -1, dtype=np.int64))
-        final_step = np.full(len(counts), -1, dtype=np.int64)
-        final_step[final] = step_of_pos[len(word_step) + np.arange(len(final))]
-        self.steps = {"node": step_node, "word": step_word, "arc": arc, "arc_node": node, "arc_step": arc_step,
-                      "final_step": final_step, "final": final}
-        token = np.where(step_word < 0, EOS_ID, self.lm_id[np.clip(step_word, 0, None)])
-        return live["obj"][step_node], live["row"][step_node], token
-
-    def finish_level(self, nn_lp: np.ndarray | None, new_obj: int | None, row0: int) -> None:
-        """Take this level's neural log-probs (rows row0.. of the shared call, whose
-        output state is object `new_obj`), add the n-gram, and propagate."""
-        live, steps = self.live, self.steps
-        self.live, self.steps = {}, {}
-        self.level += 1
-        if not live:
-            return
-        w, lat = self.r.w, self.lat
-        n_steps = len(steps["node"])
-        nn = nn_lp if nn_lp is not None else np.zeros(n_steps)
-        ng, ng_next = self.r.ngram_steps(live["ng"][steps["node"]], steps["word"], self.words_str)
-        key_next = self.r.child_keys(live["key"][steps["node"]], steps["word"])
-        lm = lm_score(w, nn, ng)
-        fin, fs = steps["final"], steps["final_step"][steps["final"]]
-        fl = live["lat"][fin]
-        self.finals.append((live["idx"][fin], lat.final_acoustic[fl], lat.final_graph[fl], nn[fs], ng[fs]))
-        arc, node, i = steps["arc"], steps["arc_node"], steps["arc_step"]
-        word_arc = i >= 0
-        # epsilon arcs index one padding row past the steps (a level may have no steps at all)
-        j = np.where(word_arc, i, n_steps)
-        nn, ng, lm = np.append(nn, 0.0), np.append(ng, 0.0), np.append(lm, 0.0)
-        key_next, ng_next = np.append(key_next, -1), np.append(ng_next, -1)
-        oov = np.where(word_arc, self.oov[np.where(word_arc, lat.word[arc], 0)], 0.0)
-        cost = np.where(word_arc, live["cost"][node] + self.first_pass[arc] - lm[j] - w.word_penalty
-                        - w.oov_penalty * oov, live["cost"][node] + self.first_pass[arc])
-        key = np.where(word_arc, key_next[j], live["key"][node])
-        obj = np.where(word_arc, -1 if new_obj is None else new_obj, live["obj"][node])
-        row = np.where(word_arc, row0 + j if new_obj is not None else -1, live["row"][node])
-        ng_state = np.where(word_arc, ng_next[j], live["ng"][node])
-        t = lat.dst[arc]
-        t_level = self.level_of[t]
-        arrival = np.empty(len(arc), dtype=np.int64)
-        for lv in np.unique(t_level).tolist():  # arrivals keep arc order within each target level
-            sel = np.flatnonzero(t_level == lv)
-            first = self.pending[lv].add(t[sel], key[sel], cost[sel], obj[sel], row[sel], ng_state[sel])
-            arrival[sel] = first + np.arange(len(sel))
-        self.arcs.append((live["idx"][node], t_level, arrival, arc, np.where(word_arc, nn[j], 0.0),
-                          np.where(word_arc, ng[j], 0.0), oov))
 
     def state_refs(self) -> set[int]:
         """LM state objects that paths still waiting at later levels point into."""
@@ -419,6 +321,191 @@ class _Expansion:
             final_ng=fin[4].astype(np.float64), symbols=lat.symbols, stats=st, source=lat)
 
 
+class _Frontier:
+    """The active lattices laid end to end (state and arc ids offset), so that one level of
+    every one of them is merged, pruned, numbered and stepped by the same array operations:
+    per-lattice Python work is what made expansion slow. Within each lattice the result is
+    what a dict of its states, updated arc by arc, would give: paths merged by (state,
+    history key) keeping the best cost (ties to the first arrival), states of a lattice
+    state ordered by cost (ties by first arrival), capped, beam-pruned against the best
+    estimate of their own lattice, numbered in that order."""
+
+    def __init__(self, xs: list[_Expansion]):
+        self.xs = xs
+        cat = np.concatenate
+        ns = np.array([x.lat.num_states for x in xs], dtype=np.int64)
+        na = np.array([len(x.lat.src) for x in xs], dtype=np.int64)
+        self.soff, aoff = np.cumsum(ns) - ns, np.cumsum(na) - na
+        self.state_owner, self.arc_owner = np.repeat(np.arange(len(xs)), ns), np.repeat(np.arange(len(xs)), na)
+        self.beta = cat([x.beta for x in xs])
+        self.out_start = cat([x.out_start[:-1] + a for x, a in zip(xs, aoff)] + [[int(na.sum())]])
+        self.arc_order = cat([x.arc_order + a for x, a in zip(xs, aoff)])
+        self.dst = cat([x.lat.dst + o for x, o in zip(xs, self.soff)])
+        self.local_state = cat([np.arange(n) for n in ns])
+        self.local_arc = cat([np.arange(n) for n in na])
+        self.word = cat([x.lat.word for x in xs])
+        self.is_word = cat([x.is_word for x in xs])
+        self.arc_lm, self.arc_oov, self.arc_gword = (cat([getattr(x, k) for x in xs])
+                                                     for k in ("arc_lm", "arc_oov", "arc_gword"))
+        self.first_pass = cat([x.first_pass for x in xs])
+        self.final_graph = cat([x.lat.final_graph for x in xs])
+        self.final_acoustic = cat([x.lat.final_acoustic for x in xs])
+        self.level_of = cat([x.level_of for x in xs])
+        self.n_words = int(self.word.max()) + 2 if len(self.word) else 1
+        self.live: dict[str, np.ndarray] = {}
+        self.steps: dict[str, np.ndarray] = {}
+
+    def _arrivals(self) -> tuple[np.ndarray, ...] | None:
+        """Every lattice's paths waiting at its current level, global state ids, lattice by lattice."""
+        parts = []
+        for b, x in enumerate(self.xs):
+            cand = x.pending[x.level]
+            x.pending[x.level] = None  # type: ignore[call-overload]
+            x.arrived[x.level] = np.zeros(0, dtype=np.int64)
+            if cand.size:
+                lat_s, *rest = cand.columns()
+                parts.append((np.full(len(lat_s), b), lat_s + self.soff[b], *rest))
+        return tuple(np.concatenate([p[k] for p in parts]) for k in range(7)) if parts else None
+
+    def _merge_and_prune(self) -> dict[str, np.ndarray]:
+        got = self._arrivals()
+        if got is None:
+            return {}
+        owner, lat_s, key, cost, obj, row, ng = got
+        order, starts = _sort_groups((lat_s, key), (cost,))
+        winner = order[starts]
+        first_arrival = np.minimum.reduceat(order, starts)  # where the state's position was taken
+        member = np.empty(len(order), dtype=np.int64)  # arrival -> its merged state
+        member[order] = _segments(starts, len(order))
+        m_lat, m_cost, m_owner = lat_s[winner], cost[winner], owner[winner]
+        rank_order, state_starts = _sort_groups((m_lat,), (m_cost, first_arrival))
+        rank = np.arange(len(rank_order)) - state_starts[_segments(state_starts, len(rank_order))]
+        caps = np.array([x.per_state_cap for x in self.xs])
+        kept = rank_order[rank < caps[m_owner[rank_order]]]  # lattice by lattice (global state order)
+        kb = m_owner[kept]
+        est = m_cost[kept] + self.beta[m_lat[kept]]
+        if len(kept):
+            seg = np.flatnonzero(np.concatenate([[True], kb[1:] != kb[:-1]]))
+            best = np.minimum.reduceat(est, seg)[_segments(seg, len(kept))]
+            beams = np.array([x.beam for x in self.xs])
+            sel = est <= best + beams[kb]
+            kept, kb = kept[sel], kb[sel]
+        counts = np.bincount(kb, minlength=len(self.xs))
+        first_node = np.array([x.n_nodes for x in self.xs], dtype=np.int64)
+        idx = first_node[kb] + np.arange(len(kept)) - np.repeat(np.cumsum(counts) - counts, counts)
+        node_of = np.full(len(starts), -1, dtype=np.int64)
+        node_of[kept] = idx
+        arrived = node_of[member]
+        bounds = np.cumsum(np.bincount(owner, minlength=len(self.xs)))
+        for b, x in enumerate(self.xs):
+            x.arrived[x.level] = arrived[bounds[b] - np.count_nonzero(owner == b): bounds[b]]
+        k_lat = self.local_state[m_lat[kept]]
+        kb_bounds = np.cumsum(counts)
+        for b, x in enumerate(self.xs):
+            x.numbered(k_lat[kb_bounds[b] - counts[b]: kb_bounds[b]])
+        w_kept = winner[kept]
+        return {"idx": idx, "lat": m_lat[kept], "owner": kb, "key": key[w_kept], "cost": m_cost[kept],
+                "obj": obj[w_kept], "row": row[w_kept], "ng": ng[w_kept]}
+
+    def prepare(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Prune every lattice's level and list the LM steps it needs: (parent state object,
+        row, LM token id) per step, one per distinct (state, word) of the out-arcs, then one
+        for </s> where the state is final; and the number of steps of each lattice."""
+        live = self.live = self._merge_and_prune()
+        if not live:
+            self.steps = {}
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, np.zeros(len(self.xs), dtype=np.int64)
+        counts = self.out_start[live["lat"] + 1] - self.out_start[live["lat"]]
+        arc = self.arc_order[_ranges(self.out_start[live["lat"]], counts)]
+        node = np.repeat(np.arange(len(counts)), counts)  # position among the live states
+        is_word = self.is_word[arc]
+        word = np.where(is_word, self.word[arc], -1)
+        pair = np.where(is_word, node * self.n_words + word, -1 - np.arange(len(arc)))
+        uniq, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+        word_step = first[uniq >= 0]  # out-arc position of each distinct (state, word)
+        final = np.flatnonzero(np.isfinite(self.final_graph[live["lat"]]))
+        # </s> goes after the state's word steps: its sort position is past every out-arc of the level
+        step_node = np.concatenate([node[word_step], final])
+        step_order = np.lexsort((np.concatenate([word_step, np.full(len(final), len(arc))]), step_node))
+        step_arc = np.concatenate([arc[word_step], np.full(len(final), -1)])[step_order]
+        step_node = step_node[step_order]
+        step_of_pos = np.empty(len(step_order), dtype=np.int64)
+        step_of_pos[step_order] = np.arange(len(step_order))
+        n_fill = int((uniq < 0).sum())  # np.unique sorted the per-arc fillers of epsilon arcs first
+        arc_step = (np.where(is_word, step_of_pos[np.clip(inverse - n_fill, 0, None)], -1) if len(word_step)
+                    else np.full(len(arc), -1, dtype=np.int64))
+        final_step = step_of_pos[len(word_step) + np.arange(len(final))]
+        is_eos = step_arc < 0
+        safe = np.where(is_eos, 0, step_arc)
+
+        def of_word(per_arc: np.ndarray, eos: int) -> np.ndarray:  # lattices without arcs: </s> steps only
+            return np.where(is_eos, eos, per_arc[safe]) if len(per_arc) else np.full(len(step_arc), eos)
+
+        self.steps = {"node": step_node, "word": of_word(self.word, -1), "gword": of_word(self.arc_gword, -1),
+                      "arc": arc, "arc_node": node, "arc_step": arc_step, "final": final, "final_step": final_step}
+        token = of_word(self.arc_lm, EOS_ID)
+        per_lattice = np.bincount(live["owner"][step_node], minlength=len(self.xs))
+        return live["obj"][step_node], live["row"][step_node], token, per_lattice
+
+    def finish(self, nn_lp: np.ndarray | None, new_obj: int | None) -> None:
+        """Take the level's neural log-probs (row i of the call, whose output state is object
+        `new_obj`, is step i), add the n-gram, and pass the paths on to later levels."""
+        live, steps, r = self.live, self.steps, self.xs[0].r if self.xs else None
+        self.live, self.steps = {}, {}
+        if live:
+            self._propagate(live, steps, r, nn_lp, new_obj)
+        for x in self.xs:
+            x.level += 1
+
+    def _propagate(self, live, steps, r, nn_lp, new_obj) -> None:
+        w = r.w
+        n_steps = len(steps["node"])
+        nn = nn_lp if nn_lp is not None else np.zeros(n_steps)
+        ng, ng_next = r.ngram_steps(live["ng"][steps["node"]], steps["gword"])
+        key_next = r.child_keys(live["key"][steps["node"]], steps["word"])
+        lm = lm_score(w, nn, ng)
+        fin, fs = steps["final"], steps["final_step"]
+        fl = live["lat"][fin]
+        self._per_lattice(live["owner"][fin], lambda x, sel: x.finals.append(
+            (live["idx"][fin][sel], self.final_acoustic[fl][sel], self.final_graph[fl][sel], nn[fs][sel],
+             ng[fs][sel])))
+        arc, node, i = steps["arc"], steps["arc_node"], steps["arc_step"]
+        word_arc = i >= 0
+        # epsilon arcs index one padding row past the steps (a level may have no steps at all)
+        j = np.where(word_arc, i, n_steps)
+        nn, ng, lm = np.append(nn, 0.0), np.append(ng, 0.0), np.append(lm, 0.0)
+        key_next, ng_next = np.append(key_next, -1), np.append(ng_next, -1)
+        oov = np.where(word_arc, self.arc_oov[arc], 0.0)
+        cost = np.where(word_arc, live["cost"][node] + self.first_pass[arc] - lm[j] - w.word_penalty
+                        - w.oov_penalty * oov, live["cost"][node] + self.first_pass[arc])
+        cols = (self.local_state[self.dst[arc]], np.where(word_arc, key_next[j], live["key"][node]), cost,
+                np.where(word_arc, -1 if new_obj is None else new_obj, live["obj"][node]),
+                np.where(word_arc, j if new_obj is not None else -1, live["row"][node]),
+                np.where(word_arc, ng_next[j], live["ng"][node]))
+        t_level = self.level_of[self.dst[arc]]
+        owner = self.arc_owner[arc]
+        arrival = np.empty(len(arc), dtype=np.int64)
+        group = owner * (int(t_level.max()) + 1 if len(arc) else 1) + t_level
+        order = np.argsort(group, kind="stable")  # arrivals keep arc order within each (lattice, level)
+        starts = np.flatnonzero(np.concatenate([[True], group[order][1:] != group[order][:-1]])) if len(arc) else []
+        for a, e in zip(list(starts), list(starts[1:]) + [len(order)]):
+            sel = order[a:e]
+            x, lv = self.xs[int(owner[sel[0]])], int(t_level[sel[0]])
+            arrival[sel] = x.pending[lv].add(*(c[sel] for c in cols)) + np.arange(len(sel))
+        nn_arc, ng_arc = np.where(word_arc, nn[j], 0.0), np.where(word_arc, ng[j], 0.0)
+        src = live["idx"][node]
+        self._per_lattice(owner, lambda x, sel: x.arcs.append(
+            (src[sel], t_level[sel], arrival[sel], self.local_arc[arc][sel], nn_arc[sel], ng_arc[sel], oov[sel])))
+
+    def _per_lattice(self, owner: np.ndarray, take) -> None:
+        """take(expansion, slice) for each lattice's rows of `owner`-sorted rows."""
+        counts = np.bincount(owner, minlength=len(self.xs))
+        ends = np.cumsum(counts)
+        for b, x in enumerate(self.xs):
+            take(x, slice(int(ends[b] - counts[b]), int(ends[b])))
+
+
 class LatticeRescorer:
     """Expands lattices with a neural LM and/or an n-gram under given weights.
 
@@ -450,6 +537,8 @@ class LatticeRescorer:
         self._ng_states: list = []
         self._ng_id: dict = {}
         self._ng_cache: dict[tuple[int, int], tuple[float, int]] = {}  # (state id, word; -1 </s>) -> (ln p, next)
+        self._words: list[str] = []
+        self._word_ids: dict[str, int] = {}
 
     def _key(self, history: tuple) -> tuple:
         n = self.cfg.max_ngram_order
@@ -482,8 +571,16 @@ class LatticeRescorer:
             self._ng_states.append(state)
         return i
 
-    def ngram_steps(self, states: np.ndarray, words: np.ndarray, words_str: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(ln p of each step's word, or </s> where the word is -1; the n-gram state id after it)."""
+    def word_id(self, word: str) -> int:
+        """The rescorer's id of a word string (lattices may come with different symbol tables)."""
+        i = self._word_ids.get(word)
+        if i is None:
+            i = self._word_ids[word] = len(self._words)
+            self._words.append(word)
+        return i
+
+    def ngram_steps(self, states: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ln p of each step's word (a `word_id`), or of </s> where it is -1; the n-gram state id after it)."""
         n = len(states)
         if self.ngram is None:
             return np.zeros(n), np.full(n, -1, dtype=np.int64)
@@ -495,7 +592,7 @@ class LatticeRescorer:
                 if wd < 0:
                     hit = (ngram.score_eos(self._ng_states[s]), -1)
                 else:
-                    p, after = ngram.score_word(self._ng_states[s], words_str[wd])
+                    p, after = ngram.score_word(self._ng_states[s], self._words[wd])
                     hit = (p, self.ng_id(after))
                 cache[(s, wd)] = hit
             lp[i], nxt[i] = hit
@@ -521,6 +618,7 @@ class LatticeRescorer:
             next_obj = 1
         source = iter(enumerate(lats))
         active: list[tuple[int, _Expansion]] = []
+        frontier: _Frontier | None = None
         exhausted = False
         while True:
             while not exhausted and len(active) < self.cfg.batch_lattices:
@@ -540,24 +638,24 @@ class LatticeRescorer:
                     continue
                 x.start((0, 0) if self.model is not None else None)
                 active.append((i, x))
+                frontier = None
             if not active:
                 return
-            requests = [(i, x, x.prepare_level()) for i, x in active]
+            if frontier is None:
+                frontier = _Frontier([x for _, x in active])
+            obj, row, tok, per_lattice = frontier.prepare()
             lp, new_obj = None, None
-            if self.model is not None and any(len(r[2]) for _, _, r in requests):
-                lp = self._lm_call(requests, objs, next_obj)
+            if self.model is not None and len(tok):
+                lp = self._lm_call(obj, row, tok, objs, next_obj)
                 new_obj, next_obj = next_obj, next_obj + 1
             live_bytes = sum(o.nbytes for o in objs.values())
-            row0 = 0
+            frontier.finish(lp, new_obj)
             still = []
-            for i, x, r in requests:
-                n = len(r[2])
+            for (i, x), n in zip(active, per_lattice.tolist()):
                 if n and self.model is not None:
                     x.stats.lm_calls += 1
                     x.stats.lm_rows += n
                 x.stats.peak_state_bytes = max(x.stats.peak_state_bytes, live_bytes)
-                x.finish_level(lp[row0: row0 + n] if lp is not None and n else None, new_obj if n else None, row0)
-                row0 += n
                 if x.done:
                     try:
                         yield i, x.result()
@@ -567,6 +665,8 @@ class LatticeRescorer:
                         on_error(i, e)
                 elif should_stop is None or not should_stop(i):
                     still.append((i, x))
+            if len(still) != len(active):
+                frontier = None
             active = still
             if self.model is not None:
                 refs_live = {0} | {o for _, x in active for o in x.state_refs()}
@@ -576,13 +676,11 @@ class LatticeRescorer:
             if pause:
                 yield None
 
-    def _lm_call(self, requests, objs: dict[int, object], new_obj: int) -> np.ndarray:
+    def _lm_call(self, obj: np.ndarray, row: np.ndarray, tok: np.ndarray, objs: dict[int, object],
+                 new_obj: int) -> np.ndarray:
         """One batched LM step for every lattice's level: log-probs per row, the new state stored as `new_obj`."""
         import torch
 
-        obj = np.concatenate([r[0] for _, _, r in requests])
-        row = np.concatenate([r[1] for _, _, r in requests])
-        tok = np.concatenate([r[2] for _, _, r in requests])
         with torch.no_grad():
             tokens = torch.as_tensor(tok, dtype=torch.long, device=self.device)[:, None]
             logp, new_state = self.model.score(tokens, self._gather(obj, row, objs))
