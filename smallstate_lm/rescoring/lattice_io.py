@@ -7,7 +7,8 @@ Formats:
 - HTK SLF (gzip or plain), words on links or on nodes, `a=` / `l=` natural-log scores.
 
 
-Every reader names the file and the line (or, for binary files, the state) of the first problem.
+Every reader names the file and the line (or, for binary files, the state and the byte offset) of the first
+problem.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from ..files import atomic_output
+from .fst_binary import read_fst_bytes, write_fst_bytes
 from .lattice import Lattice, LatticeFormatError, SymbolTable, is_word_symbol
 
 
@@ -41,9 +42,8 @@ def _parse_cost(s: str, where: str) -> tuple[float, float]:
     return (vals[0], vals[1] if len(vals) == 2 else 0.0)
 
 
-def _parse_fst_text(text: str, symbols: SymbolTable, name: str, source: str, line_numbers: bool,
-                    num_states: int | None = None, start: int | None = None) -> Lattice:
-    """Parse the OpenFST text form; `line_numbers` False (binary files) names only the state in errors."""
+def _parse_fst_text(text: str, symbols: SymbolTable, name: str, source: str) -> Lattice:
+    """Parse the OpenFST text form; errors name `source:line` and the state."""
     src: list[int] = []
     dst: list[int] = []
     word: list[int] = []
@@ -56,7 +56,7 @@ def _parse_fst_text(text: str, symbols: SymbolTable, name: str, source: str, lin
         parts = line.split()
         if not parts:
             continue
-        loc = f"{source}:{n}" if line_numbers else source
+        loc = f"{source}:{n}"
         try:
             s = int(parts[0])
             d = int(parts[1]) if len(parts) >= 4 else None
@@ -100,15 +100,13 @@ def _parse_fst_text(text: str, symbols: SymbolTable, name: str, source: str, lin
         max_state = max(max_state, s, d)
     if first is None:
         raise LatticeFormatError(f"{source}: empty lattice (no arcs and no final states)")
-    S = max_state + 1 if num_states is None else num_states
-    if max_state >= S:
-        raise LatticeFormatError(f"{source}: state {max_state} is beyond the {S} states of the lattice")
+    S = max_state + 1
     fg = np.full(S, np.inf)
     fa = np.full(S, np.inf)
     for s, (gc, acc) in finals.items():
         fg[s], fa[s] = gc, acc
     return Lattice(
-        name=name, num_states=S, start=first if start is None else start,
+        name=name, num_states=S, start=first,
         src=np.asarray(src, dtype=np.int64), dst=np.asarray(dst, dtype=np.int64),
         word=np.asarray(word, dtype=np.int64), graph=np.asarray(g, dtype=np.float64),
         acoustic=np.asarray(ac, dtype=np.float64), final_graph=fg, final_acoustic=fa, symbols=symbols,
@@ -122,7 +120,7 @@ def read_fst_text(text: str, symbols: SymbolTable, name: str = "<text>") -> Latt
     integer ids of `symbols`, or the symbols themselves. A single-cost weight is tropical (acoustic 0);
     a missing weight is 0. Errors name `name:line` and the state.
     """
-    return _parse_fst_text(text, symbols, name, name, line_numbers=True)
+    return _parse_fst_text(text, symbols, name, name)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -134,132 +132,14 @@ def _read_bytes(path: Path) -> bytes:
         raise LatticeFormatError(f"{path}: cannot read the lattice file ({e.strerror})") from None
 
 
-_FST_MAGIC = 2125659606
-_ARC_SIZES = {"lattice4": (20, 8), "standard": (16, 4)}  # bytes per arc, bytes per final weight
-_MAX_STATES = 2**31 - 1  # state ids are int32 in both arc types
-
-
-def _read_fst_header(path: Path, data: bytes) -> str:
-    """Check the OpenFST header (and for a vector FST without symbol tables, every state record
-    and arc); return the arc type. Done here so that bad files get an error saying what is wrong
-    rather than kaldifst's stderr, or a crash (kaldifst trusts the start state)."""
-    def fail(msg: str) -> LatticeFormatError:
-        return LatticeFormatError(f"{path}: {msg}")
-
-    pos = 0
-
-    def take(fmt: str) -> tuple:
-        nonlocal pos
-        size = struct.calcsize(fmt)
-        if pos + size > len(data):
-            raise fail(f"file ends inside the OpenFST header after {len(data)} bytes (truncated?)")
-        out = struct.unpack_from(fmt, data, pos)
-        pos += size
-        return out
-
-    def string(what: str) -> str:
-        (n,) = take("<i")
-        if not 0 <= n <= 256:
-            raise fail(f"corrupt OpenFST header: the {what} has length {n}; expected a short name")
-        (raw,) = take(f"<{n}s")
-        return raw.decode("ascii", "replace")
-
-    if len(data) < 4 or struct.unpack_from("<i", data)[0] != _FST_MAGIC:
-        raise fail("not a binary OpenFST file (bad magic number)")
-    pos = 4
-    fst_type, arc_type = string("FST type"), string("arc type")
-    _version, flags, _props, start, num_states, _num_arcs = take("<iiQqqq")
-    if arc_type not in _ARC_SIZES:
-        raise fail(f"arc type {arc_type!r} is not supported (expected lattice4 or standard)")
-    if fst_type != "vector":
-        raise fail(f"FST type {fst_type!r} is not supported (expected vector)")
-    if not -1 <= num_states <= _MAX_STATES:  # -1: not counted in the header
-        raise fail(f"corrupt OpenFST header: {num_states} states; expected 0 to {_MAX_STATES}")
-    if num_states >= 0 and not (start == -1 or 0 <= start < num_states):
-        raise fail(f"corrupt OpenFST header: start state {start} is outside the {num_states} states")
-    if flags & 0x3 == 0 and num_states >= 0:  # no symbol tables: the state records follow
-        arc_bytes, weight_bytes = _ARC_SIZES[arc_type]
-        starts, counts, problem = _walk_fst_states(data, pos, num_states, arc_bytes, weight_bytes)
-        # a bad arc before the sizes go wrong means garbled data, whatever the sizes say after it
-        problem = _first_bad_arc(data, starts, counts, arc_bytes, num_states) or problem
-        if problem:
-            raise fail(problem)
-    return arc_type
-
-
-def _walk_fst_states(data: bytes, pos: int, num_states: int, arc_bytes: int,
-                     weight_bytes: int) -> tuple[list[int], list[int], str | None]:
-    """The state records (final weight, int64 arc count, arcs) of a vector FST from byte `pos`:
-    where each state's arcs start, how many of them the file holds, and the first problem with
-    the sizes (None if they add up to the file's size exactly)."""
-    starts: list[int] = []
-    counts: list[int] = []
-    for s in range(num_states):
-        if pos == len(data):  # ends on a record boundary: a cut there and a garbled count look the same
-            return starts, counts, (f"file ends after {s} of the {num_states} states its header announces "
-                                    "(truncated, or a corrupt header)")
-        if pos + weight_bytes + 8 > len(data):
-            return starts, counts, f"file ends inside state {s} of {num_states} after {len(data)} bytes (truncated)"
-        (narcs,) = struct.unpack_from("<q", data, pos + weight_bytes)
-        if narcs < 0:
-            return starts, counts, f"corrupt file: state {s} of {num_states} has a negative arc count ({narcs})"
-        pos += weight_bytes + 8
-        starts.append(pos)
-        if pos + narcs * arc_bytes > len(data):
-            counts.append((len(data) - pos) // arc_bytes)
-            return starts, counts, (f"file ends inside the arcs of state {s} of {num_states} after {len(data)} "
-                                    "bytes (truncated)")
-        counts.append(narcs)
-        pos += narcs * arc_bytes
-    if pos != len(data):
-        return starts, counts, (f"corrupt file: {len(data) - pos} bytes after the last of its {num_states} states; "
-                                "expected the file to end there")
-    return starts, counts, None
-
-
-def _first_bad_arc(data: bytes, starts: list[int], counts: list[int], arc_bytes: int,
-                   num_states: int) -> str | None:
-    """The first arc (`ilabel olabel weight nextstate`) of the states found by `_walk_fst_states`
-    with a negative label or a next state outside the FST, described; None if there is none."""
-    n = np.asarray(counts, dtype=np.int64)  # (S,) arcs per state
-    if not n.sum():
-        return None
-    state = np.repeat(np.arange(n.size), n)  # (A,) each arc's state
-    k = np.arange(state.size) - (np.cumsum(n) - n)[state]  # (A,) each arc's index within its state
-    at = np.asarray(starts, dtype=np.int64)[state] + k * arc_bytes  # (A,) each arc's first byte
-    raw = np.frombuffer(data, dtype=np.uint8)
-
-    def int32(offsets: np.ndarray) -> np.ndarray:
-        return raw[offsets[:, None] + np.arange(4)].copy().view("<i4")[:, 0]  # (A,)
-
-    ilabel, olabel, dest = int32(at), int32(at + 4), int32(at + arc_bytes - 4)
-    bad = np.flatnonzero((ilabel < 0) | (olabel < 0) | (dest < 0) | (dest >= num_states))
-    if not bad.size:
-        return None
-    i = int(bad[0])
-    what = (f"its next state {dest[i]} is outside the {num_states} states" if not 0 <= dest[i] < num_states
-            else f"its label {min(ilabel[i], olabel[i])} is negative")
-    return f"corrupt file: arc {k[i]} of state {state[i]}: {what}; expected arcs 'ilabel olabel weight nextstate'"
-
-
 def read_fst(path: str | os.PathLike, symbols: SymbolTable) -> Lattice:
     """Read a binary OpenFST lattice: Kaldi `lattice4` weights `(graph, acoustic)`, or tropical weights
-    (`StdVectorFst`, read as graph cost with acoustic 0). Words are the output labels.
+    (`StdVectorFst`, read as graph cost with acoustic 0); a vector or const FST. Words are the output labels.
 
-    Costs come through the text form, so they carry its 6 significant digits.
+    The bytes are parsed directly (fst_binary.py), so costs are the file's float32 values exactly.
     """
-    import kaldifst
-
     path = Path(path)
-    data = _read_bytes(path)
-    arc_type = _read_fst_header(path, data)
-    fst = (kaldifst.Lattice if arc_type == "lattice4" else kaldifst.StdVectorFst).read(str(path))
-    if fst is None:
-        raise LatticeFormatError(f"{path}: kaldifst could not read this {arc_type} FST (corrupt file?)")
-    if fst.num_states == 0 or fst.start < 0:
-        raise LatticeFormatError(f"{path}: empty lattice (no states or no start state)")
-    return _parse_fst_text(str(fst), symbols, utterance_id(path), str(path), line_numbers=False,
-                           num_states=fst.num_states, start=fst.start)
+    return read_fst_bytes(_read_bytes(path), symbols, str(path), utterance_id(path))
 
 
 def lattice_to_text(lattice: Lattice) -> str:
@@ -281,26 +161,13 @@ def lattice_to_text(lattice: Lattice) -> str:
 
 
 def write_fst(path: str | os.PathLike, lattice: Lattice) -> None:
-    """Write a binary OpenFST lattice with Kaldi `lattice4` weights (ilabel = olabel = word), atomically.
-
-    Costs are stored as float32 (as in Kaldi); `read_fst` returns them with 6 significant digits.
+    """Write a binary OpenFST lattice with Kaldi `lattice4` weights (ilabel = olabel = word), atomically:
+    the bytes kaldifst writes for it. Costs are stored as float32 (as in Kaldi); `read_fst` returns them
+    exactly.
     """
-    import kaldifst
-
-    path = Path(path)
-    lattice._check_shapes()
-    fst = kaldifst.Lattice()
-    for _ in range(lattice.num_states):
-        fst.add_state()
-    fst.start = lattice.start
-    for s, d, w, g, a in zip(lattice.src.tolist(), lattice.dst.tolist(), lattice.word.tolist(),
-                             lattice.graph.tolist(), lattice.acoustic.tolist()):
-        fst.add_arc(s, kaldifst.LatticeArc(w, w, kaldifst.LatticeWeight(g, a), d))
-    for s in np.flatnonzero(lattice.is_final()).tolist():
-        fst.set_final(s, kaldifst.LatticeWeight(float(lattice.final_graph[s]), float(lattice.final_acoustic[s])))
+    data = write_fst_bytes(lattice, "lattice4")
     with atomic_output(path) as tmp:
-        if not fst.write(str(tmp)):
-            raise OSError(f"{path}: kaldifst could not write the lattice")
+        tmp.write_bytes(data)
 
 
 # ----------------------------------------------------------------------------------------------------------
