@@ -107,7 +107,8 @@ def main() -> None:
         "What limits it (torch.profiler on this model): the matmuls themselves run at the plain matmul's speed; "
         "the gap is the memory-bound work between them — LayerNorm, residual adds and ReLU over (tokens, d) and "
         "(tokens, d_ff) activations, and the log-softmax normaliser over the 20k-word vocabulary (computed in "
-        "16 MB chunks, in place). Step-wise scoring adds the copy of the key cache that appending a position "
+        "32 MB chunks, one fused kernel in place). Step-wise scoring adds the copy of the key cache that appending "
+        "a position "
         "costs (the state is a value) and attention over the 16-position history; both grow with the history, "
         "not with the model. Projections are bias-free, so no pass broadcasts a bias into each output.",
     ])

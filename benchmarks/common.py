@@ -29,8 +29,11 @@ def machine() -> str:
     except OSError:
         pass
     dev = f"CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
+    # CPU ratios move with what else runs: every multithreaded op waits for its slowest
+    # thread, so a busy neighbour on a 2-core machine taxes the paths with more, smaller ops.
+    load = f", load average {os.getloadavg()[0]:.1f} (this run included)" if hasattr(os, "getloadavg") else ""
     return (f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} with {torch.get_num_threads()} "
-            f"threads, {dev}, Python {platform.python_version()}")
+            f"threads, {dev}, Python {platform.python_version()}{load}")
 
 
 def command() -> str:

@@ -181,3 +181,27 @@ def test_the_issue_request_plans_within_the_default_cap():
     assert cost.trie_nodes == PrefixTrie([scorer.encode(h) for h in hyps]).n_nodes > 190_000
     assert scorer.max_work_bytes == DEFAULT_MAX_WORK_BYTES and cost.nbytes <= DEFAULT_MAX_WORK_BYTES
     assert NeuralScorer(model, VOCAB, max_work_bytes=None).estimate_cost([hyps]).nbytes > 2**35
+
+
+@torch.no_grad()
+def test_blocks_larger_than_the_output_layers_logit_chunk_stay_within_the_plan(monkeypatch):
+    """With a large vocabulary the output layer holds only LOGIT_BUDGET logits at once, so the
+    plan lets blocks grow past that many queries: the measured peak must still fit."""
+    import smallstate_lm.models.output as output
+    import smallstate_lm.models.transformer as transformer
+
+    model = tiny_model()
+    rows = [[VOCAB.encode(h) + [EOS_ID] for h in long_hypotheses(12, 30, 1)]]
+    tries, tokens, parents, lengths = trie_rows(rows)
+    budget = 8 * model.cfg.vocab_size  # logits of 8 queries at once
+    monkeypatch.setattr(output, "LOGIT_BUDGET", budget)
+    monkeypatch.setattr(transformer, "LOGIT_BUDGET", budget)
+    size = tries[0].size
+    cap = MiB
+    plan = model.tree_plan(size.n_rows, size.max_nodes, size.total_nodes, size.max_depth, size.path_len, cap)
+    assert plan.blocked and 8 < plan.block < size.total_nodes and plan.nbytes <= cap
+    dense = model.score_tree(tokens, parents, lengths)
+    with TensorMemory() as mem:
+        blocked = model.score_tree(tokens, parents, lengths, max_work_bytes=cap)
+    assert mem.peak <= plan.nbytes
+    assert (blocked - dense).abs().max() <= TOL

@@ -77,9 +77,20 @@ class FeedForward(nn.Module):
         self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, overwrite: bool = False) -> Tensor:
+        """overwrite: x is the caller's own intermediate, free to be overwritten with the result."""
         # In place on fresh outputs: saves two (B, T, d_ff)-sized allocations per sublayer.
         h = self.drop(F.relu(self.fc1(self.norm(x)), inplace=True))
+        w = self.fc2.weight
+        if (overwrite and not torch.is_grad_enabled() and self.fc2.bias is None and not self.drop.p * self.training
+                and x.is_contiguous() and x.dtype == h.dtype == w.dtype):
+            # The residual enters the matmul as its accumulator (beta=1): one pass and one
+            # multithreaded region fewer than fc2 then add_, which counts where other work
+            # shares the cores (each region waits for its slowest thread). Not under autograd:
+            # LayerNorm saved x for its backward.
+            x2 = x.view(-1, x.shape[-1])
+            torch.addmm(x2, h.view(-1, h.shape[-1]), w.t(), out=x2)
+            return x
         return residual_add(self.drop(self.fc2(h)), x)
 
 
@@ -101,9 +112,9 @@ class Block(nn.Module):
 
     def residual(self, a: Tensor, x: Tensor) -> Tensor:
         """x + Dropout(a), then the feed-forward sublayers; (B, T, d)."""
-        x = residual_add(self.drop(a), x)
+        x = residual_add(self.drop(a), x)  # a new tensor, never the caller's x
         for ff in self.ffs:
-            x = ff(x)
+            x = ff(x, overwrite=True)
         return x
 
 
@@ -123,18 +134,33 @@ def extend(past: Tensor, new: Tensor, dim: int = 1) -> Tensor:
 
 
 def rotary_tables(positions: Tensor, dh: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """positions (B, T) integer -> (cos, sin), each (B, 1, T, dh) float32, for `apply_rotary`."""
+    """positions (B, T) integer -> (cos, sin), each (B, 1, T, dh) float32, for `apply_rotary`.
+    The first half of `sin` is negated: that sign of the rotation then costs nothing per call
+    of `apply_rotary` (tables are made once per forward, applied twice per layer)."""
     inv_freq = base ** (-torch.arange(0, dh, 2, device=positions.device, dtype=torch.float32) / dh)  # (dh/2,)
     angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # (B, 1, T, dh/2)
-    angles = torch.cat([angles, angles], -1)  # (B, 1, T, dh)
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    return torch.cat([angles, angles], -1).cos(), torch.cat([-sin, sin], -1)
+
+
+def rotary_table(n: int, dh: int, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """`rotary_tables` of the positions 0..n-1: (cos, sin), each (n, dh), to be indexed by
+    position. Rows at few distinct positions (the same position in every row of a batch, trie
+    depths) then cost one gather each instead of their own sin and cos; and a position's
+    angles do not depend on which other positions share the call."""
+    cos, sin = rotary_tables(torch.arange(n, device=device)[None], dh)
+    return cos[0, 0], sin[0, 0]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the two halves of x (B, H, T, dh) pairwise by the angles of (cos, sin)."""
+    """Rotate the two halves of x (B, H, T, dh) pairwise by the angles of (cos, sin) from
+    `rotary_tables`: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)  # (B, H, T, dh)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    # Three kernels (cat, mul, addcmul) instead of five (neg, cat, mul, mul, add): these are
+    # short memory-bound passes, and where other work shares the cores each multithreaded
+    # one waits for the slower thread.
+    swapped = torch.cat([x[..., half:], x[..., :half]], -1)  # (B, H, T, dh)
+    return torch.addcmul(x.float() * cos, swapped.float(), sin).to(x.dtype)
 
 
 def causal_mask(cache_mask: Tensor | None, S: int, n: int, device: torch.device) -> tuple[Tensor | None, bool]:
@@ -184,7 +210,7 @@ class SelfAttention(AttentionProjections):
         rope: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """x (B, T, d); past_k/v (B, H, S, Dh); mask, causal: from `causal_mask`; rope:
-        optional (cos, sin), each (B, 1, T, Dh), for the new positions. Returns output
+        optional (cos, sin), each (B or 1, 1, T, Dh), for the new positions. Returns output
         (B, T, d) and the extended keys/values (B, H, S+T, Dh), values None with shared_kv."""
         B, T, d = x.shape
         q = split_heads(self.q(x), self.h)  # (B, H, T, Dh)

@@ -37,7 +37,7 @@ from .base import (
     causal_mask,
     embed_tokens,
     init_weights,
-    rotary_tables,
+    rotary_table,
 )
 from .config import ModelConfig
 from .output import LOGIT_BUDGET
@@ -216,11 +216,11 @@ def tree_forest(tokens: Tensor, par: Tensor, real: Tensor) -> TreeForest:
     return TreeForest(inputs, up, depth, node, paths, path_start)
 
 
-def rope_rows(positions: Tensor, dh: int) -> tuple[Tensor, Tensor]:
-    """Rotary tables for a flat list of positions (Q,): (cos, sin), each (Q, 1, dh), to
-    rotate (Q, H, dh) queries or keys."""
-    cos, sin = rotary_tables(positions[None], dh)  # (1, 1, Q, dh) each
-    return cos[0, 0, :, None], sin[0, 0, :, None]  # (Q, 1, dh)
+def rope_rows(positions: Tensor, table: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Rotary tables for a flat list of positions (Q,), gathered from `table` (`rotary_table`
+    of more positions than the largest): (cos, sin), each (Q, 1, dh), to rotate (Q, H, dh)
+    queries or keys."""
+    return table[0][positions, None], table[1][positions, None]  # (Q, 1, dh)
 
 
 # score_tree's bytes per (row, node) for its int64 inputs, their masked copies and the
@@ -316,9 +316,16 @@ class TransformerLM(PendingTokenLM):
         # a query's ancestor slot: its indices and mask, gathered key (and value) plus the copy
         # attention may make, float mask, and per head score and probability
         slot = 29 + 8 * c.n_heads + 8 * c.d_model * (1 if c.shared_kv else 2)
-        per_query = self._tree_position_bytes() + slot * (max_depth + 1) + 4 * c.vocab_size
-        block = max(1, min(M, (max_work_bytes - fixed) // per_query))
-        return TreePlan(True, block, fixed + block * per_query)
+        per_query = self._tree_position_bytes() + slot * (max_depth + 1)
+        # A block's logits: one row per query, but the output layer holds at most `rows` at once.
+        logit_row, rows = 4 * c.vocab_size, max(1, LOGIT_BUDGET // c.vocab_size)
+        block = (max_work_bytes - fixed) // (per_query + logit_row)
+        if block > rows:
+            # Larger blocks: fewer passes per layer, and fewer multithreaded regions, each of
+            # which waits for its slowest thread when other work shares the cores.
+            block = (max_work_bytes - fixed - logit_row * rows) // per_query
+        block = max(1, min(M, block))
+        return TreePlan(True, block, fixed + block * per_query + logit_row * min(block, rows))
 
     def _dense_tree_bytes(self, n_rows: int, max_nodes: int, total_nodes: int) -> int:
         """Bytes of the dense pass over `n_rows` tries padded to `max_nodes` nodes: per (row,
@@ -358,7 +365,11 @@ class TransformerLM(PendingTokenLM):
         attn_mask = mask[:, None]  # (B, 1, N+1, N+1)
         H, Dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
         # a node's position is its depth: <s> at 0, as in a sequence scored from the start
-        rope = rotary_tables(mask.sum(-1) - 1, Dh) if self.cfg.pos == "rotary" else None
+        rope = None
+        if self.cfg.pos == "rotary":
+            cos, sin = rotary_table(N + 1, Dh, dev)
+            depth = mask.sum(-1) - 1  # (B, N+1)
+            rope = cos[depth][:, None], sin[depth][:, None]  # (B, 1, N+1, Dh) each
         empty = torch.empty(B, H, 0, Dh, dtype=x.dtype, device=dev)
         for layer in self.layers:
             x, _, _ = layer(x, empty, None if self.cfg.shared_kv else empty, attn_mask, False, rope)
@@ -380,12 +391,15 @@ class TransformerLM(PendingTokenLM):
             x[s : s + block] = self.drop(embed_tokens(self, f.inputs[s : s + block]))
         # queries of equal depth share a block, so a block gathers few padded ancestor slots
         order = torch.argsort(f.depth, stable=True)  # (M,)
+        # one table for every layer and block, indexed by depth
+        table = (rotary_table(int(f.depth.max()) + 1, self.cfg.d_model // self.cfg.n_heads, dev)
+                 if self.cfg.pos == "rotary" else None)
         keys = values = None
         for layer in self.layers:
-            keys, values = self._tree_keys(layer, x, f.depth, block, keys, values)
+            keys, values = self._tree_keys(layer, x, f.depth, block, keys, values, table)
             for s in range(0, M, block):
                 q = order[s : s + block]
-                x[q] = self._tree_attend(layer, x[q], f, q, keys, values)
+                x[q] = self._tree_attend(layer, x[q], f, q, keys, values, table)
         keys = values = None
         node_logp = torch.empty(len(f.node), dtype=torch.float32, device=dev)  # (R,)
         for s in range(0, len(f.node), block):
@@ -397,15 +411,16 @@ class TransformerLM(PendingTokenLM):
         return logp
 
     def _tree_keys(self, layer: Block, x: Tensor, depth: Tensor, block: int, keys: Tensor | None,
-                   values: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                   values: Tensor | None, table: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor | None]:
         """Every position's keys and values (None with shared_kv) for `layer`, each (M, H, Dh),
-        written block by block into the buffers of the layer before (None: new ones)."""
+        written block by block into the buffers of the layer before (None: new ones); `table`:
+        rotary tables by depth (`rotary_table`), None without rotary positions."""
         attn = layer.attn
         for s in range(0, len(x), block):
             h = layer.norm(x[s : s + block])  # (C, d)
             k = attn.k(h).view(len(h), attn.h, attn.dh)  # (C, d) -> (C, H, Dh)
             if self.cfg.pos == "rotary":
-                k = apply_rotary(k, *rope_rows(depth[s : s + block], attn.dh))
+                k = apply_rotary(k, *rope_rows(depth[s : s + block], table))
             if keys is None:
                 keys = k.new_empty(len(x), attn.h, attn.dh)
             keys[s : s + block] = k
@@ -417,15 +432,16 @@ class TransformerLM(PendingTokenLM):
         return keys, values
 
     def _tree_attend(self, layer: Block, xq: Tensor, f: TreeForest, q_pos: Tensor, keys: Tensor,
-                     values: Tensor | None) -> Tensor:
+                     values: Tensor | None, table: tuple[Tensor, Tensor] | None) -> Tensor:
         """`layer` for the queries at positions q_pos (Q,) with stream rows xq (Q, d): each
-        attends to its ancestors and itself, gathered through the path table. Returns (Q, d)."""
+        attends to its ancestors and itself, gathered through the path table; `table` as in
+        `_tree_keys`. Returns (Q, d)."""
         attn = layer.attn
         Q, d = xq.shape
         q = attn.q(layer.norm(xq)).view(Q, attn.h, attn.dh)  # (Q, d) -> (Q, H, Dh)
         depth = f.depth[q_pos]  # (Q,)
         if self.cfg.pos == "rotary":
-            q = apply_rotary(q, *rope_rows(depth, attn.dh))
+            q = apply_rotary(q, *rope_rows(depth, table))
         slots = torch.arange(int(depth.max()) + 1, device=xq.device)  # (Dq,) ancestor depths, <s> first
         valid = slots[None] <= depth[:, None]  # (Q, Dq)
         anc = f.paths[torch.where(valid, f.path_start[q_pos, None] + slots, 0)].view(-1)  # (Q, Dq) -> (Q*Dq,)
@@ -456,10 +472,12 @@ class TransformerLM(PendingTokenLM):
         x = self.drop(x)  # (B, n_run, d)
         rope = None
         if self.cfg.pos == "rotary":
-            done = (torch.full((B,), S, device=tokens.device) if state.mask is None
-                    else state.mask.sum(1))  # (B,) positions already run per row
-            positions = done[:, None] + torch.arange(n_run, device=tokens.device)[None]  # (B, n_run)
-            rope = rotary_tables(positions, self.cfg.d_model // self.cfg.n_heads)
+            new = torch.arange(n_run, device=tokens.device)[None]  # (1, n_run)
+            # Without padding in the cache every row is at the same position: one row of tables
+            # broadcasts over the batch instead of B rows of cos and sin.
+            positions = S + new if state.mask is None else state.mask.sum(1)[:, None] + new  # (1 or B, n_run)
+            cos, sin = rotary_table(S + n_run, self.cfg.d_model // self.cfg.n_heads, tokens.device)
+            rope = cos[positions][:, None], sin[positions][:, None]  # (1 or B, 1, n_run, Dh) each
         keys, values = [], []
         for i, layer in enumerate(self.layers):
             past_v = None if state.values is None else state.values[i]
