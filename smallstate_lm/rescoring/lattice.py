@@ -279,6 +279,15 @@ class Lattice:
         return words, float(total.min())
 
 
+def concat_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated aranges starts[i] .. starts[i] + counts[i] (the arcs of several states at once)."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, counts)
+
+
 def _reach(S: int, frm: np.ndarray, to: np.ndarray, seeds: list[int]) -> np.ndarray:
     """(S,) bool: states reachable from `seeds` following arcs frm -> to (a breadth-first
     frontier at a time, in arrays: lattices are a few dozen arcs deep and thousands wide)."""
@@ -289,12 +298,7 @@ def _reach(S: int, frm: np.ndarray, to: np.ndarray, seeds: list[int]) -> np.ndar
     frontier = np.unique(np.asarray(seeds, dtype=np.int64))
     seen[frontier] = True
     while frontier.size:
-        counts = offsets[frontier + 1] - offsets[frontier]
-        total = int(counts.sum())
-        if total == 0:
-            break
-        at = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(offsets[frontier], counts)
-        nxt = targets[at]
+        nxt = targets[concat_ranges(offsets[frontier], offsets[frontier + 1] - offsets[frontier])]
         frontier = np.unique(nxt[~seen[nxt]])
         seen[frontier] = True
     return seen

@@ -26,7 +26,7 @@ from ..ngram import NgramLM
 from ..vocab import EOS_ID, Vocabulary
 from ..weights import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
 from .kbest import nbest_dicts
-from .lattice import Lattice, LatticeWarning, SymbolTable
+from .lattice import Lattice, LatticeWarning, SymbolTable, concat_ranges
 
 
 @dataclass
@@ -173,15 +173,6 @@ def _backward(lat: Lattice, w: Weights) -> np.ndarray:
         if c < beta[s]:
             beta[s] = c
     return np.array(beta, dtype=np.float64)
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated aranges starts[i] .. starts[i] + counts[i]."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, counts)
 
 
 def _sort_groups(groups: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -390,19 +381,16 @@ class _Frontier:
             beams = np.array([x.beam for x in self.xs])
             sel = est <= best + beams[kb]
             kept, kb = kept[sel], kb[sel]
-        counts = np.bincount(kb, minlength=len(self.xs))
         first_node = np.array([x.n_nodes for x in self.xs], dtype=np.int64)
-        idx = first_node[kb] + np.arange(len(kept)) - np.repeat(np.cumsum(counts) - counts, counts)
+        idx = concat_ranges(first_node, np.bincount(kb, minlength=len(self.xs)))  # numbered on per lattice
         node_of = np.full(len(starts), -1, dtype=np.int64)
         node_of[kept] = idx
         arrived = node_of[member]
-        bounds = np.cumsum(np.bincount(owner, minlength=len(self.xs)))
-        for b, x in enumerate(self.xs):
-            x.arrived[x.level] = arrived[bounds[b] - np.count_nonzero(owner == b): bounds[b]]
+        for x, sel in self._per_lattice(owner):
+            x.arrived[x.level] = arrived[sel]
         k_lat = self.local_state[m_lat[kept]]
-        kb_bounds = np.cumsum(counts)
-        for b, x in enumerate(self.xs):
-            x.numbered(k_lat[kb_bounds[b] - counts[b]: kb_bounds[b]])
+        for x, sel in self._per_lattice(kb):
+            x.numbered(k_lat[sel])
         w_kept = winner[kept]
         return {"idx": idx, "lat": m_lat[kept], "owner": kb, "key": key[w_kept], "cost": m_cost[kept],
                 "obj": obj[w_kept], "row": row[w_kept], "ng": ng[w_kept]}
@@ -417,7 +405,7 @@ class _Frontier:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, np.zeros(len(self.xs), dtype=np.int64)
         counts = self.out_start[live["lat"] + 1] - self.out_start[live["lat"]]
-        arc = self.arc_order[_ranges(self.out_start[live["lat"]], counts)]
+        arc = self.arc_order[concat_ranges(self.out_start[live["lat"]], counts)]
         node = np.repeat(np.arange(len(counts)), counts)  # position among the live states
         is_word = self.is_word[arc]
         word = np.where(is_word, self.word[arc], -1)
@@ -467,9 +455,9 @@ class _Frontier:
         lm = lm_score(w, nn, ng)
         fin, fs = steps["final"], steps["final_step"]
         fl = live["lat"][fin]
-        self._per_lattice(live["owner"][fin], lambda x, sel: x.finals.append(
-            (live["idx"][fin][sel], self.final_acoustic[fl][sel], self.final_graph[fl][sel], nn[fs][sel],
-             ng[fs][sel])))
+        for x, sel in self._per_lattice(live["owner"][fin]):
+            x.finals.append((live["idx"][fin][sel], self.final_acoustic[fl][sel], self.final_graph[fl][sel],
+                             nn[fs][sel], ng[fs][sel]))
         arc, node, i = steps["arc"], steps["arc_node"], steps["arc_step"]
         word_arc = i >= 0
         # epsilon arcs index one padding row past the steps (a level may have no steps at all)
@@ -495,15 +483,14 @@ class _Frontier:
             arrival[sel] = x.pending[lv].add(*(c[sel] for c in cols)) + np.arange(len(sel))
         nn_arc, ng_arc = np.where(word_arc, nn[j], 0.0), np.where(word_arc, ng[j], 0.0)
         src = live["idx"][node]
-        self._per_lattice(owner, lambda x, sel: x.arcs.append(
-            (src[sel], t_level[sel], arrival[sel], self.local_arc[arc][sel], nn_arc[sel], ng_arc[sel], oov[sel])))
+        for x, sel in self._per_lattice(owner):
+            x.arcs.append((src[sel], t_level[sel], arrival[sel], self.local_arc[arc][sel], nn_arc[sel], ng_arc[sel],
+                           oov[sel]))
 
-    def _per_lattice(self, owner: np.ndarray, take) -> None:
-        """take(expansion, slice) for each lattice's rows of `owner`-sorted rows."""
-        counts = np.bincount(owner, minlength=len(self.xs))
-        ends = np.cumsum(counts)
-        for b, x in enumerate(self.xs):
-            take(x, slice(int(ends[b] - counts[b]), int(ends[b])))
+    def _per_lattice(self, owner: np.ndarray):
+        """(expansion, slice of its rows) for each lattice, of rows sorted by `owner`."""
+        ends = np.cumsum(np.bincount(owner, minlength=len(self.xs)))
+        return zip(self.xs, (slice(int(a), int(e)) for a, e in zip(np.append(0, ends[:-1]), ends)))
 
 
 class LatticeRescorer:
