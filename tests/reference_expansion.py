@@ -277,7 +277,7 @@ class LatticeRescorer:
         active: list[tuple[int, _Expansion]] = []
         exhausted = False
         while True:
-            while not exhausted and len(active) < self.cfg.batch_lattices:
+            while not exhausted and len(active) < self.cfg.lattices_per_batch(self.model is not None):
                 try:
                     i, item = next(source)
                 except StopIteration:

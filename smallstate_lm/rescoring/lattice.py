@@ -340,26 +340,39 @@ class Lattice:
 
 def state_levels(num_states: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """(S,) int64 longest-path depth of each state of a DAG: states of one level have no arc between
-    them. Relaxed a whole level at a time (lattices are a few dozen arcs deep)."""
+    them. States are peeled a level at a time (those whose predecessors are all done), so each arc is
+    looked at once; several lattices laid end to end are done together. States on a cycle keep 0."""
     level = np.zeros(num_states, dtype=np.int64)
-    while True:
-        nxt = level.copy()
-        np.maximum.at(nxt, dst, level[src] + 1)
-        if np.array_equal(nxt, level):
-            return level
-        level = nxt
+    if len(src) == 0:
+        return level
+    waiting = np.bincount(dst, minlength=num_states)  # unfinished predecessors, by arc
+    order = np.argsort(src, kind="stable")
+    first = np.searchsorted(src[order], np.arange(num_states + 1))
+    ready = np.flatnonzero(waiting == 0)
+    depth = 0
+    while ready.size:
+        level[ready] = depth
+        out = dst[order[concat_ranges(first[ready], first[ready + 1] - first[ready])]]
+        if out.size == 0:
+            break
+        to, n = np.unique(out, return_counts=True)
+        waiting[to] -= n
+        ready = to[waiting[to] == 0]
+        depth += 1
+    return level
 
 
 def viterbi(num_nodes: int, src: np.ndarray, dst: np.ndarray, cost: np.ndarray,
-            level: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Best (lowest) cost from node 0 to every node of a DAG, and the best incoming arc (-1: none).
+            level: np.ndarray, sources: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Best (lowest) cost from node 0 (or from the nearest of `sources`: several graphs laid end to
+    end) to every node of a DAG, and the best incoming arc (-1: none).
 
     `level` (N,) is a longest-path depth (`state_levels`): arcs into one level are relaxed together.
     Ties go to the lowest arc index, as a scan of each node's incoming arcs in index order would."""
     dist = np.full(num_nodes, np.inf)
     back = np.full(num_nodes, -1, dtype=np.int64)
     if num_nodes:
-        dist[0] = 0.0
+        dist[0 if sources is None else sources] = 0.0
     arc_level = level[dst]
     order = np.argsort(arc_level, kind="stable")
     bounds = np.searchsorted(arc_level[order], np.arange(int(level.max(initial=0)) + 2))

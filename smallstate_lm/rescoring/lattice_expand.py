@@ -35,13 +35,18 @@ class ExpandConfig:
     beam: float = 12.0  # cost units of the combined score, against the level's best estimate
     max_per_state: int = 64  # expanded states kept per lattice state
     max_states: int = 200_000  # per lattice; beyond it pruning tightens (and says so)
-    batch_lattices: int = 16  # lattices expanded together so one LM call serves all their frontiers
+    # lattices expanded together, so that one LM call and one set of array operations serve all their
+    # levels; None: 16 with a neural LM (its states are held for all of them), 256 with the n-gram alone
+    batch_lattices: int | None = None
 
     def __post_init__(self):
         if self.max_ngram_order is not None and self.max_ngram_order < 1:
             raise ConfigError(f"max_ngram_order must be >= 1, got {self.max_ngram_order}")
-        if self.beam <= 0 or self.max_per_state < 1 or self.max_states < 1 or self.batch_lattices < 1:
+        if self.beam <= 0 or self.max_per_state < 1 or self.max_states < 1 or (self.batch_lattices or 1) < 1:
             raise ConfigError("beam, max_per_state, max_states and batch_lattices must be positive")
+
+    def lattices_per_batch(self, neural: bool) -> int:
+        return self.batch_lattices or (16 if neural else 256)
 
 
 @dataclass
@@ -81,6 +86,7 @@ class ExpandedLattice:
     stats: ExpandStats = field(default_factory=ExpandStats)
     source: Lattice | None = None  # the prepared input lattice
     arc: np.ndarray | None = None  # (E,) the arc of `source` each arc expands
+    first_pass: tuple[float, list[str]] | None = None  # (am_scale, the decoder's best path under it), when known
 
     # ---- weights -> costs ------------------------------------------------------------
     @staticmethod
@@ -151,6 +157,12 @@ class ExpandedLattice:
         components (natural log) and total (higher is better): lazy k-best (kbest.py)."""
         return nbest_dicts(self, w, n)
 
+    def first_pass_words(self, am_scale: float) -> list[str]:
+        """The decoder's own best path, by graph + am_scale * acoustic on the source lattice."""
+        if self.first_pass is not None and self.first_pass[0] == am_scale:
+            return self.first_pass[1]
+        return self.source.best_path(am_scale, 1.0)[0]
+
     def to_lattice(self, w: Weights) -> Lattice:
         """The rescored lattice: acoustic costs untouched, the new LM score folded into
         the graph cost (graph' = cost of everything but the acoustic part, in units
@@ -180,21 +192,17 @@ class ExpandedLattice:
             return lat.prepare()
 
 
-def _backward(lat: Lattice, w: Weights, level: np.ndarray) -> np.ndarray:
-    """Best completion cost from each state on the original lattice; the first-pass
-    graph cost stands in for all LMs (their weights added), a look-ahead only.
-    Relaxed a level at a time from the last (`level`: `state_levels` of `lat`)."""
-    lm_scale = w.graph_scale + w.lm_weight + w.ngram_weight
-    cost = w.am_scale * lat.acoustic + lm_scale * lat.graph
-    beta = w.am_scale * lat.final_acoustic + lm_scale * lat.final_graph
+def _backward(src: np.ndarray, dst: np.ndarray, cost: np.ndarray, beta: np.ndarray, level: np.ndarray) -> np.ndarray:
+    """Best completion cost from each state (`beta` holds the final costs, inf elsewhere), relaxed a
+    level at a time from the last (`level`: `state_levels`); works on many lattices laid end to end."""
     beta = np.where(np.isfinite(beta), beta, np.inf)
-    src_level = level[lat.src]
+    src_level = level[src]
     order = np.argsort(src_level, kind="stable")
     bounds = np.searchsorted(src_level[order], np.arange(int(level.max(initial=0)) + 2))
     for lo, hi in zip(bounds[-2::-1].tolist(), bounds[:0:-1].tolist()):  # the last level first
         if lo < hi:
             a = order[lo:hi]
-            np.minimum.at(beta, lat.src[a], cost[a] + beta[lat.dst[a]])
+            np.minimum.at(beta, src[a], cost[a] + beta[dst[a]])
     return beta
 
 
@@ -219,124 +227,247 @@ def _segments(starts: np.ndarray, n: int) -> np.ndarray:
     return np.repeat(np.arange(len(starts)), np.diff(np.append(starts, n)))
 
 
-class _Candidates:
-    """Paths arriving at the states of one level, in arrival order, as column chunks."""
-
-    COLUMNS = ("lat", "key", "cost", "nn_obj", "nn_row", "ng")
-
-    def __init__(self):
-        self.chunks: list[tuple[np.ndarray, ...]] = []
-        self.size = 0
-
-    def add(self, *cols: np.ndarray) -> int:
-        """Append rows; returns the position of the first in arrival order."""
-        first = self.size
-        self.chunks.append(cols)
-        self.size += len(cols[0])
-        return first
-
-    def columns(self) -> tuple[np.ndarray, ...]:
-        return tuple(np.concatenate([c[k] for c in self.chunks]) for k in range(len(self.COLUMNS)))
+def _run_index(run: np.ndarray) -> dict[int, slice]:
+    """run number -> its rows, of rows sorted by run number."""
+    if len(run) == 0:
+        return {}
+    cut = np.flatnonzero(run[1:] != run[:-1]) + 1
+    starts, ends = np.append(0, cut), np.append(cut, len(run))
+    return {r: slice(a, e) for r, a, e in zip(run[starts].tolist(), starts.tolist(), ends.tolist())}
 
 
 class _Expansion:
-    """One lattice's expansion: its arrays, the paths waiting at each level, and what the
-    levels done so far produced. The driver advances many together, one level each per
-    step (`_Frontier`), so that one LM call and one set of array operations serve all."""
+    """One lattice of an expansion run: its prepared arrays (`_prepare_group`), the step of the run at
+    which it started (level L of it is expanded at step start + L), its pruning limits, and the
+    assembly of its result from what the run's steps recorded."""
 
-    def __init__(self, rescorer: "LatticeRescorer", lat: Lattice):
+    def __init__(self, rescorer: "LatticeRescorer", lat: Lattice, run: int):
         self.t0 = time.perf_counter()
         self.r = rescorer
-        lat = lat.prepare()
-        self.lat = lat
-        w = rescorer.w
-        sym = lat.symbols
+        self.run = run  # its number in the input: the frontier keeps lattices in that order
+        self.lat = lat = lat.prepare()
         self.stats = ExpandStats(lattice_states=lat.num_states, lattice_arcs=len(lat.src))
-        mask = sym.word_mask()
-        self.is_word = (lat.word < mask.size) & mask[np.minimum(lat.word, mask.size - 1)]
-        self.arc_lm = np.zeros(len(lat.word), dtype=np.int64)  # per arc: LM token id of its word
-        self.arc_oov = np.zeros(len(lat.word), dtype=np.float64)
-        self.arc_gword = np.full(len(lat.word), -1, dtype=np.int64)  # the rescorer's id of its word string
-        vocab, ngram = rescorer.vocab, rescorer.ngram
-        known = oov_reference(vocab, ngram)
-        at = np.flatnonzero(self.is_word)
-        ids, inverse = np.unique(lat.word[at], return_inverse=True)
-        strings = [sym.word(i) for i in ids.tolist()]
-        if vocab is not None:
-            self.arc_lm[at] = np.array([vocab.encode([ws])[0] for ws in strings], dtype=np.int64)[inverse]
-        self.arc_oov[at] = np.array([float(count_oov([ws], known)) for ws in strings])[inverse]
-        self.arc_gword[at] = np.array([rescorer.word_id(ws) for ws in strings], dtype=np.int64)[inverse]
-        self.first_pass = w.am_scale * lat.acoustic + w.graph_scale * lat.graph
-        self.level_of = state_levels(lat.num_states, lat.src, lat.dst)
-        self.beta = _backward(lat, w, self.level_of)
-        self.arc_order = np.argsort(lat.src, kind="stable")  # out-arcs of a state, in arc order
-        self.out_start = np.searchsorted(lat.src[self.arc_order], np.arange(lat.num_states + 1))
-        self.n_levels = int(self.level_of.max()) + 1 if lat.num_states else 0
-        self.pending = [_Candidates() for _ in range(self.n_levels)]
-        self.arrived: list[np.ndarray | None] = [None] * self.n_levels  # per level: arrival -> node (-1: pruned)
-        self.level = 0
+        self.start_step = 0
+        self.first_arrival = 0
         self.n_nodes = 0
-        self.node_lat: list[np.ndarray] = []
-        self.arcs: list[tuple] = []  # per level: (src node, dst level, dst arrival, lattice arc, nn, ng, oov)
-        self.finals: list[tuple] = []  # per level: (node, final acoustic, final graph, nn </s>, ng </s>)
         self.per_state_cap, self.beam = rescorer.cfg.max_per_state, rescorer.cfg.beam
-
-    def start(self, nn_ref) -> None:
-        st = self.lat.start
-        obj, row = nn_ref if nn_ref is not None else (-1, -1)
-        ng = self.r.ng_id(self.r.ngram.initial_state()) if self.r.ngram is not None else -1
-        self.pending[self.level_of[st]].add(np.array([st]), np.array([0]), np.array([0.0]), np.array([obj]),
-                                            np.array([row]), np.array([ng]))
+        # set by _prepare_group
+        self.is_word = self.arc_lm = self.arc_oov = self.arc_gword = self.first_pass = np.zeros(0)
+        self.level_of = self.beta = self.out_start = np.zeros(0)
+        self.n_levels = 0
+        self.first_pass_words: list[str] | None = None
 
     @property
-    def done(self) -> bool:
-        return self.level >= self.n_levels
+    def last_step(self) -> int:
+        return self.start_step + self.n_levels - 1
 
-    def numbered(self, kept_lat: np.ndarray) -> None:
-        """This level kept these states (lattice state ids, in node order)."""
-        self.node_lat.append(kept_lat)
-        self.n_nodes += len(kept_lat)
-        if self.n_nodes > self.r.cfg.max_states and not self.stats.pruned_harder:
-            self.stats.pruned_harder = True
-            self.per_state_cap = max(1, self.per_state_cap // 4)
-            self.beam /= 2
+    def result(self, run: "_Run") -> ExpandedLattice:
+        lat, r = self.lat, self.run
+        steps = [run.records[s] for s in range(self.start_step, self.last_step + 1)]
+        fin_i, fin_f, arc_i, arc_f, nodes = [], [], [], [], []
+        for rec in steps:
+            for index, ints, floats, ints_out, floats_out in ((rec.arcs, rec.arc_int, rec.arc_float, arc_i, arc_f),
+                                                              (rec.finals, rec.fin_int, rec.fin_float, fin_i, fin_f)):
+                sl = index.get(r)
+                if sl is not None:
+                    ints_out.append(ints[:, sl])
+                    floats_out.append(floats[:, sl])
+            sl = rec.nodes.get(r)
+            if sl is not None:
+                nodes.append(rec.node_lat[sl])
+        if not fin_i:
+            raise ConfigError(f"lattice {lat.name}: every path was pruned; widen --beam")
+        fin_node = np.concatenate(fin_i, axis=1)[0]
+        fin = np.concatenate(fin_f, axis=1)
+        src, arrival, lat_arc = np.concatenate(arc_i, axis=1) if arc_i else np.zeros((3, 0), dtype=np.int64)
+        nn, ng, oov = np.concatenate(arc_f, axis=1) if arc_f else np.zeros((3, 0))
+        dst = run.node_of_arrival(arrival)
+        keep = dst >= 0  # arcs into pruned states go
+        src, dst, lat_arc, nn, ng, oov = src[keep], dst[keep], lat_arc[keep], nn[keep], ng[keep], oov[keep]
+        node_lat = np.concatenate(nodes) if nodes else np.zeros(0, dtype=np.int64)
+        st = self.stats
+        st.expanded_states, st.expanded_arcs = len(node_lat), len(src)
+        st.seconds = time.perf_counter() - self.t0
+        return ExpandedLattice(
+            name=lat.name, node_lat=node_lat, src=src, dst=dst, word=lat.word[lat_arc].astype(np.int64),
+            acoustic=lat.acoustic[lat_arc], graph=lat.graph[lat_arc], nn=nn, ng=ng,
+            is_word=self.is_word[lat_arc].astype(np.float64), oov=oov, final_node=fin_node,
+            final_acoustic=fin[0], final_graph=fin[1], final_nn=fin[2], final_ng=fin[3], symbols=lat.symbols,
+            stats=st, source=lat, arc=lat_arc,
+            first_pass=None if self.first_pass_words is None else (self.r.w.am_scale, self.first_pass_words))
+
+
+def _prepare_group(rescorer: "LatticeRescorer", xs: list[_Expansion]) -> None:
+    """Set the arrays of lattices joining a run, computed for all of them at once on the lattices laid
+    end to end: levels, best completion costs, word ids, and the decoder's own best path."""
+    if not xs:
+        return
+    w = rescorer.w
+    cat = np.concatenate
+    lats = [x.lat for x in xs]
+    ns = np.array([lat.num_states for lat in lats], dtype=np.int64)
+    na = np.array([len(lat.src) for lat in lats], dtype=np.int64)
+    soff = np.cumsum(ns) - ns
+    src, dst = cat([lat.src + o for lat, o in zip(lats, soff)]), cat([lat.dst + o for lat, o in zip(lats, soff)])
+    word = cat([lat.word for lat in lats]).astype(np.int64)
+    acoustic, graph = cat([lat.acoustic for lat in lats]), cat([lat.graph for lat in lats])
+    final_ac, final_gr = cat([lat.final_acoustic for lat in lats]), cat([lat.final_graph for lat in lats])
+    S = int(ns.sum())
+    level = state_levels(S, src, dst)
+    lm_scale = w.graph_scale + w.lm_weight + w.ngram_weight
+    beta = _backward(src, dst, w.am_scale * acoustic + lm_scale * graph,
+                     w.am_scale * final_ac + lm_scale * final_gr, level)
+    is_word, arc_lm, arc_oov, arc_gword = _word_arrays(rescorer, lats, word, na)
+    first_pass = w.am_scale * acoustic + w.graph_scale * graph
+    fp_words = _first_pass_words(lats, src, dst, word, graph + w.am_scale * acoustic,
+                                 np.where(np.isfinite(final_gr), final_gr + w.am_scale * final_ac, np.inf),
+                                 level, soff, ns)
+    state_cut, arc_cut = np.cumsum(ns)[:-1], np.cumsum(na)[:-1]
+    per_state = [np.split(a, state_cut) for a in (level, beta)]
+    per_arc = [np.split(a, arc_cut) for a in (is_word, arc_lm, arc_oov, arc_gword, first_pass)]
+    for k, x in enumerate(xs):
+        x.level_of, x.beta = per_state[0][k], per_state[1][k]
+        x.is_word, x.arc_lm, x.arc_oov, x.arc_gword, x.first_pass = (a[k] for a in per_arc)
+        x.out_start = np.searchsorted(x.lat.src, np.arange(x.lat.num_states + 1))  # arcs are sorted by source
+        x.n_levels = int(x.level_of.max()) + 1 if x.lat.num_states else 0
+        x.first_pass_words = fp_words[k]
+
+
+def _word_arrays(rescorer: "LatticeRescorer", lats: list[Lattice], word: np.ndarray, na: np.ndarray):
+    """Per arc of the lattices laid end to end: is it a word, its LM token id, its OOV count, and the
+    rescorer's id of its string; each distinct word id of each symbol table is looked up once."""
+    is_word = np.zeros(len(word), dtype=bool)
+    arc_lm = np.zeros(len(word), dtype=np.int64)
+    arc_oov = np.zeros(len(word), dtype=np.float64)
+    arc_gword = np.full(len(word), -1, dtype=np.int64)
+    table = np.repeat(np.arange(len(lats)), na)
+    tables: dict[int, list[int]] = {}
+    for k, lat in enumerate(lats):
+        tables.setdefault(id(lat.symbols), []).append(k)
+    vocab, ngram = rescorer.vocab, rescorer.ngram
+    known = oov_reference(vocab, ngram)
+    for members in tables.values():
+        sym = lats[members[0]].symbols
+        mask = sym.word_mask()
+        rows = np.flatnonzero(np.isin(table, members)) if len(tables) > 1 else np.arange(len(word))
+        wd = word[rows]
+        ok = (wd < mask.size) & mask[np.minimum(wd, mask.size - 1)]
+        at = rows[ok]
+        is_word[at] = True
+        ids, inverse = np.unique(word[at], return_inverse=True)
+        strings = [sym.word(i) for i in ids.tolist()]
+        if vocab is not None:
+            arc_lm[at] = np.array([vocab.encode([ws])[0] for ws in strings], dtype=np.int64)[inverse]
+        arc_oov[at] = np.array([float(count_oov([ws], known)) for ws in strings])[inverse]
+        arc_gword[at] = np.array([rescorer.word_id(ws) for ws in strings], dtype=np.int64)[inverse]
+    return is_word, arc_lm, arc_oov, arc_gword
+
+
+def _first_pass_words(lats: list[Lattice], src, dst, word, cost, final, level, soff, ns) -> list[list[str] | None]:
+    """Each lattice's best path by `graph + am_scale * acoustic` (what `Lattice.best_path` gives),
+    by one Viterbi search over the lattices laid end to end; None where a lattice has no finite path."""
+    dist, back = viterbi(int(ns.sum()), src, dst, cost, level, sources=soff)
+    total = dist + final
+    owner = np.repeat(np.arange(len(lats)), ns)
+    order, starts = _sort_groups((owner,), (total,))
+    best = order[starts]  # the first state of each lattice with the lowest total
+    ok = np.isfinite(total[best])
+    steps_lat, steps_arc = [], []
+    cur, lat_of = best[ok], np.flatnonzero(ok)
+    while len(cur):
+        more = cur != soff[lat_of]
+        cur, lat_of = cur[more], lat_of[more]
+        a = back[cur]
+        steps_lat.append(lat_of)
+        steps_arc.append(a)
+        cur = src[a]
+    out: list[list[str] | None] = [None] * len(lats)
+    for k in np.flatnonzero(ok).tolist():
+        out[k] = []
+    if steps_lat:
+        lat_ids, arcs = np.concatenate(steps_lat), np.concatenate(steps_arc)
+        o = np.lexsort((-np.repeat(np.arange(len(steps_lat)), [len(s) for s in steps_lat]), lat_ids))
+        lat_ids, arcs = lat_ids[o], arcs[o]  # per lattice, from the first arc of its path
+        for k, sl in _run_index(lat_ids).items():
+            sym = lats[k].symbols
+            mask = sym.word_mask()
+            out[k] = [sym.word(wd) for wd in word[arcs[sl]].tolist() if wd < mask.size and mask[wd]]
+    return out
+
+
+@dataclass
+class _Record:
+    """What one step of a run produced, rows sorted by run number, indexed by it (`_run_index`)."""
+
+    nodes: dict[int, slice]
+    node_lat: np.ndarray  # kept lattice states, in node order
+    arcs: dict[int, slice]
+    arc_int: np.ndarray  # (3, n): source node, arrival id, lattice arc
+    arc_float: np.ndarray  # (3, n): neural, n-gram, OOV
+    finals: dict[int, slice]
+    fin_int: np.ndarray  # (1, n): node
+    fin_float: np.ndarray  # (4, n): final acoustic, final graph, neural </s>, n-gram </s>
+
+
+class _Run:
+    """What an expansion run keeps across steps, whichever lattices are in flight: the paths waiting for
+    a later step (`pending[step]`, chunks in arrival order: run number, lattice state, key, object, row,
+    n-gram state, arrival id as ints, cost as floats), the node each arrival became (by arrival id), and
+    each step's records until the lattices that wrote them are done."""
+
+    def __init__(self):
+        self.pending: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.records: dict[int, _Record] = {}
+        self.n_arrivals = 0
+        self._node_base = 0
+        self._nodes = np.full(1024, -1, dtype=np.int64)
+
+    def add(self, step: int, ints: np.ndarray, cost: np.ndarray) -> None:
+        self.pending.setdefault(step, []).append((ints, cost))
+
+    def take(self, step: int) -> tuple[np.ndarray, np.ndarray] | None:
+        chunks = self.pending.pop(step, None)
+        if not chunks:
+            return None
+        if len(chunks) == 1:
+            return chunks[0]
+        return np.concatenate([c[0] for c in chunks], axis=1), np.concatenate([c[1] for c in chunks])
+
+    def arrivals(self, n: int) -> np.ndarray:
+        """Ids for n new arrivals (their nodes unknown, -1, until their step)."""
+        first = self.n_arrivals
+        self.n_arrivals += n
+        need = self.n_arrivals - self._node_base
+        if need > len(self._nodes):
+            grown = np.full(max(need, 2 * len(self._nodes)), -1, dtype=np.int64)
+            grown[: len(self._nodes)] = self._nodes
+            self._nodes = grown
+        return np.arange(first, first + n, dtype=np.int64)
+
+    def set_nodes(self, arrival: np.ndarray, node: np.ndarray) -> None:
+        self._nodes[arrival - self._node_base] = node
+
+    def node_of_arrival(self, arrival: np.ndarray) -> np.ndarray:
+        return self._nodes[arrival - self._node_base]
+
+    def forget_before(self, step: int, arrival: int) -> None:
+        """Drop records of steps before `step` and nodes of arrivals before `arrival`: no lattice in flight needs them."""
+        for s in [s for s in self.records if s < step]:
+            del self.records[s]
+        drop = arrival - self._node_base
+        if drop > len(self._nodes) // 2:
+            self._nodes = self._nodes[drop:].copy()
+            self._node_base = arrival
 
     def state_refs(self) -> set[int]:
-        """LM state objects that paths still waiting at later levels point into."""
-        refs: set[int] = set()
-        for cand in self.pending[self.level:]:
-            for chunk in cand.chunks:
-                refs.update(np.unique(chunk[3]).tolist())
+        """LM state objects that waiting paths point into."""
+        refs = {o for chunks in self.pending.values() for ints, _ in chunks for o in np.unique(ints[3]).tolist()}
         refs.discard(-1)
         return refs
 
-    def result(self) -> ExpandedLattice:
-        lat = self.lat
-        fin = [np.concatenate([f[k] for f in self.finals]) if self.finals else np.zeros(0) for k in range(5)]
-        if len(fin[0]) == 0:
-            raise ConfigError(f"lattice {lat.name}: every path was pruned; widen --beam")
-        src, t_level, arrival, lat_arc, nn, ng, oov = (np.concatenate([a[k] for a in self.arcs]) for k in range(7))
-        dst = np.empty(len(src), dtype=np.int64)
-        for lv in np.unique(t_level).tolist():
-            sel = t_level == lv
-            dst[sel] = self.arrived[lv][arrival[sel]]
-        keep = dst >= 0  # arcs into pruned states go
-        src, dst, lat_arc, nn, ng, oov = src[keep], dst[keep], lat_arc[keep], nn[keep], ng[keep], oov[keep]
-        st = self.stats
-        st.expanded_states, st.expanded_arcs = self.n_nodes, len(src)
-        st.seconds = time.perf_counter() - self.t0
-        return ExpandedLattice(
-            name=lat.name, node_lat=np.concatenate(self.node_lat).astype(np.int64),
-            src=src, dst=dst, word=lat.word[lat_arc].astype(np.int64), acoustic=lat.acoustic[lat_arc],
-            graph=lat.graph[lat_arc], nn=nn.astype(np.float64), ng=ng.astype(np.float64),
-            is_word=self.is_word[lat_arc].astype(np.float64), oov=oov.astype(np.float64),
-            final_node=fin[0].astype(np.int64), final_acoustic=fin[1].astype(np.float64),
-            final_graph=fin[2].astype(np.float64), final_nn=fin[3].astype(np.float64),
-            final_ng=fin[4].astype(np.float64), symbols=lat.symbols, stats=st, source=lat, arc=lat_arc.astype(np.int64))
-
 
 class _Frontier:
-    """The active lattices laid end to end (state and arc ids offset), so that one level of
+    """The lattices in flight laid end to end (state and arc ids offset), so that one level of
     every one of them is merged, pruned, numbered and stepped by the same array operations:
     per-lattice Python work is what made expansion slow. Within each lattice the result is
     what a dict of its states, updated arc by arc, would give: paths merged by (state,
@@ -344,16 +475,17 @@ class _Frontier:
     state ordered by cost (ties by first arrival), capped, beam-pruned against the best
     estimate of their own lattice, numbered in that order."""
 
-    def __init__(self, xs: list[_Expansion]):
-        self.xs = xs
+    def __init__(self, xs: list[_Expansion], run: _Run):
+        self.xs, self.run = xs, run
         cat = np.concatenate
         ns = np.array([x.lat.num_states for x in xs], dtype=np.int64)
         na = np.array([len(x.lat.src) for x in xs], dtype=np.int64)
         self.soff, aoff = np.cumsum(ns) - ns, np.cumsum(na) - na
-        self.state_owner, self.arc_owner = np.repeat(np.arange(len(xs)), ns), np.repeat(np.arange(len(xs)), na)
+        self.arc_owner = np.repeat(np.arange(len(xs)), na)
+        self.runs = np.array([x.run for x in xs], dtype=np.int64)  # increasing
+        self.start_step = np.array([x.start_step for x in xs], dtype=np.int64)
         self.beta = cat([x.beta for x in xs])
         self.out_start = cat([x.out_start[:-1] + a for x, a in zip(xs, aoff)] + [[int(na.sum())]])
-        self.arc_order = cat([x.arc_order + a for x, a in zip(xs, aoff)])
         self.dst = cat([x.lat.dst + o for x, o in zip(xs, self.soff)])
         self.local_state = cat([np.arange(n) for n in ns])
         self.local_arc = cat([np.arange(n) for n in na])
@@ -365,27 +497,51 @@ class _Frontier:
         self.final_graph = cat([x.lat.final_graph for x in xs])
         self.final_acoustic = cat([x.lat.final_acoustic for x in xs])
         self.level_of = cat([x.level_of for x in xs])
+        self.last_step = np.array([x.last_step for x in xs], dtype=np.int64)
         self.n_words = int(self.word.max()) + 2 if len(self.word) else 1
+        # per lattice, changing as levels go; written back by sync()
+        self.n_nodes = np.array([x.n_nodes for x in xs], dtype=np.int64)
+        self.cap = np.array([x.per_state_cap for x in xs], dtype=np.int64)
+        self.beams = np.array([x.beam for x in xs], dtype=np.float64)
+        self.harder = np.array([x.stats.pruned_harder for x in xs], dtype=bool)
+        self.lm_calls = np.array([x.stats.lm_calls for x in xs], dtype=np.int64)
+        self.lm_rows = np.array([x.stats.lm_rows for x in xs], dtype=np.int64)
+        self.peak = np.array([x.stats.peak_state_bytes for x in xs], dtype=np.int64)
         self.live: dict[str, np.ndarray] = {}
         self.steps: dict[str, np.ndarray] = {}
 
-    def _arrivals(self) -> tuple[np.ndarray, ...] | None:
-        """Every lattice's paths waiting at its current level, global state ids, lattice by lattice."""
-        parts = []
-        for b, x in enumerate(self.xs):
-            cand = x.pending[x.level]
-            x.pending[x.level] = None  # type: ignore[call-overload]
-            x.arrived[x.level] = np.zeros(0, dtype=np.int64)
-            if cand.size:
-                lat_s, *rest = cand.columns()
-                parts.append((np.full(len(lat_s), b), lat_s + self.soff[b], *rest))
-        return tuple(np.concatenate([p[k] for p in parts]) for k in range(7)) if parts else None
+    def sync(self) -> None:
+        for k, x in enumerate(self.xs):
+            x.n_nodes, x.per_state_cap, x.beam = int(self.n_nodes[k]), int(self.cap[k]), float(self.beams[k])
+            st = x.stats
+            st.pruned_harder, st.lm_calls, st.lm_rows = bool(self.harder[k]), int(self.lm_calls[k]), int(self.lm_rows[k])
+            st.peak_state_bytes = int(self.peak[k])
 
-    def _merge_and_prune(self) -> dict[str, np.ndarray]:
-        got = self._arrivals()
+    def count_level(self, per_lattice: np.ndarray, called: bool, live_bytes: int) -> None:
+        if called:
+            self.lm_calls += per_lattice > 0
+            self.lm_rows += per_lattice
+        self.peak = np.maximum(self.peak, live_bytes)
+
+    def _arrivals(self, step: int) -> tuple[np.ndarray, ...] | None:
+        """The paths waiting for this step, of lattices still in flight, in arrival order (global state ids)."""
+        got = self.run.take(step)
         if got is None:
+            return None
+        ints, cost = got
+        run, local, key, obj, row, ng, arrival = ints
+        slot = np.minimum(np.searchsorted(self.runs, run), len(self.runs) - 1)
+        here = self.runs[slot] == run  # paths of a lattice dropped since they were queued are dropped too
+        if not here.all():
+            slot, local, key, cost, obj, row, ng, arrival = (a[here] for a in (slot, local, key, cost, obj, row, ng,
+                                                                               arrival))
+        return slot, self.soff[slot] + local, key, cost, obj, row, ng, arrival
+
+    def _merge_and_prune(self, step: int, max_states: int) -> dict[str, np.ndarray]:
+        got = self._arrivals(step)
+        if got is None or len(got[0]) == 0:
             return {}
-        owner, lat_s, key, cost, obj, row, ng = got
+        owner, lat_s, key, cost, obj, row, ng, arrival = got
         order, starts = _sort_groups((lat_s, key), (cost,))
         winner = order[starts]
         first_arrival = np.minimum.reduceat(order, starts)  # where the state's position was taken
@@ -394,41 +550,40 @@ class _Frontier:
         m_lat, m_cost, m_owner = lat_s[winner], cost[winner], owner[winner]
         rank_order, state_starts = _sort_groups((m_lat,), (m_cost, first_arrival))
         rank = np.arange(len(rank_order)) - state_starts[_segments(state_starts, len(rank_order))]
-        caps = np.array([x.per_state_cap for x in self.xs])
-        kept = rank_order[rank < caps[m_owner[rank_order]]]  # lattice by lattice (global state order)
+        kept = rank_order[rank < self.cap[m_owner[rank_order]]]  # lattice by lattice (global state order)
         kb = m_owner[kept]
         est = m_cost[kept] + self.beta[m_lat[kept]]
         if len(kept):
             seg = np.flatnonzero(np.concatenate([[True], kb[1:] != kb[:-1]]))
             best = np.minimum.reduceat(est, seg)[_segments(seg, len(kept))]
-            beams = np.array([x.beam for x in self.xs])
-            sel = est <= best + beams[kb]
+            sel = est <= best + self.beams[kb]
             kept, kb = kept[sel], kb[sel]
-        first_node = np.array([x.n_nodes for x in self.xs], dtype=np.int64)
-        idx = concat_ranges(first_node, np.bincount(kb, minlength=len(self.xs)))  # numbered on per lattice
+        per_lattice = np.bincount(kb, minlength=len(self.xs))
+        idx = concat_ranges(self.n_nodes, per_lattice)  # numbered on per lattice
+        self.n_nodes += per_lattice
+        over = (self.n_nodes > max_states) & ~self.harder
+        if over.any():  # from the next level on
+            self.harder |= over
+            self.cap[over] = np.maximum(1, self.cap[over] // 4)
+            self.beams[over] /= 2
         node_of = np.full(len(starts), -1, dtype=np.int64)
         node_of[kept] = idx
-        arrived = node_of[member]
-        for x, sel in self._per_lattice(owner):
-            x.arrived[x.level] = arrived[sel]
-        k_lat = self.local_state[m_lat[kept]]
-        for x, sel in self._per_lattice(kb):
-            x.numbered(k_lat[sel])
+        self.run.set_nodes(arrival, node_of[member])
         w_kept = winner[kept]
         return {"idx": idx, "lat": m_lat[kept], "owner": kb, "key": key[w_kept], "cost": m_cost[kept],
                 "obj": obj[w_kept], "row": row[w_kept], "ng": ng[w_kept]}
 
-    def prepare(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def prepare(self, step: int, max_states: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Prune every lattice's level and list the LM steps it needs: (parent state object,
         row, LM token id) per step, one per distinct (state, word) of the out-arcs, then one
         for </s> where the state is final; and the number of steps of each lattice."""
-        live = self.live = self._merge_and_prune()
+        live = self.live = self._merge_and_prune(step, max_states)
         if not live:
             self.steps = {}
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, np.zeros(len(self.xs), dtype=np.int64)
         counts = self.out_start[live["lat"] + 1] - self.out_start[live["lat"]]
-        arc = self.arc_order[concat_ranges(self.out_start[live["lat"]], counts)]
+        arc = concat_ranges(self.out_start[live["lat"]], counts)  # arcs are sorted by source
         node = np.repeat(np.arange(len(counts)), counts)  # position among the live states
         is_word = self.is_word[arc]
         word = np.where(is_word, self.word[arc], -1)
@@ -459,17 +614,19 @@ class _Frontier:
         per_lattice = np.bincount(live["owner"][step_node], minlength=len(self.xs))
         return live["obj"][step_node], live["row"][step_node], token, per_lattice
 
-    def finish(self, nn_lp: np.ndarray | None, new_obj: int | None) -> None:
+    def finish(self, step: int, nn_lp: np.ndarray | None, new_obj: int | None) -> None:
         """Take the level's neural log-probs (row i of the call, whose output state is object
-        `new_obj`, is step i), add the n-gram, and pass the paths on to later levels."""
-        live, steps, r = self.live, self.steps, self.xs[0].r if self.xs else None
+        `new_obj`, is step i), add the n-gram, record the level and pass the paths on to later steps."""
+        live, steps = self.live, self.steps
         self.live, self.steps = {}, {}
         if live:
-            self._propagate(live, steps, r, nn_lp, new_obj)
-        for x in self.xs:
-            x.level += 1
+            self._propagate(step, live, steps, self.xs[0].r, nn_lp, new_obj)
+        else:
+            empty_i, empty_f = np.zeros((3, 0), dtype=np.int64), np.zeros((3, 0))
+            self.run.records[step] = _Record({}, np.zeros(0, dtype=np.int64), {}, empty_i, empty_f, {},
+                                             np.zeros((1, 0), dtype=np.int64), np.zeros((4, 0)))
 
-    def _propagate(self, live, steps, r, nn_lp, new_obj) -> None:
+    def _propagate(self, step, live, steps, r, nn_lp, new_obj) -> None:
         w = r.w
         n_steps = len(steps["node"])
         nn = nn_lp if nn_lp is not None else np.zeros(n_steps)
@@ -478,9 +635,7 @@ class _Frontier:
         lm = lm_score(w, nn, ng)
         fin, fs = steps["final"], steps["final_step"]
         fl = live["lat"][fin]
-        for x, sel in self._per_lattice(live["owner"][fin]):
-            x.finals.append((live["idx"][fin][sel], self.final_acoustic[fl][sel], self.final_graph[fl][sel],
-                             nn[fs][sel], ng[fs][sel]))
+        fin_run = self.runs[live["owner"][fin]]
         arc, node, i = steps["arc"], steps["arc_node"], steps["arc_step"]
         word_arc = i >= 0
         # epsilon arcs index one padding row past the steps (a level may have no steps at all)
@@ -490,30 +645,31 @@ class _Frontier:
         oov = np.where(word_arc, self.arc_oov[arc], 0.0)
         cost = np.where(word_arc, live["cost"][node] + self.first_pass[arc] - lm[j] - w.word_penalty
                         - w.oov_penalty * oov, live["cost"][node] + self.first_pass[arc])
-        cols = (self.local_state[self.dst[arc]], np.where(word_arc, key_next[j], live["key"][node]), cost,
-                np.where(word_arc, -1 if new_obj is None else new_obj, live["obj"][node]),
-                np.where(word_arc, j if new_obj is not None else -1, live["row"][node]),
-                np.where(word_arc, ng_next[j], live["ng"][node]))
-        t_level = self.level_of[self.dst[arc]]
         owner = self.arc_owner[arc]
-        arrival = np.empty(len(arc), dtype=np.int64)
-        group = owner * (int(t_level.max()) + 1 if len(arc) else 1) + t_level
-        order = np.argsort(group, kind="stable")  # arrivals keep arc order within each (lattice, level)
-        starts = np.flatnonzero(np.concatenate([[True], group[order][1:] != group[order][:-1]])) if len(arc) else []
-        for a, e in zip(list(starts), list(starts[1:]) + [len(order)]):
-            sel = order[a:e]
-            x, lv = self.xs[int(owner[sel[0]])], int(t_level[sel[0]])
-            arrival[sel] = x.pending[lv].add(*(c[sel] for c in cols)) + np.arange(len(sel))
+        arc_run = self.runs[owner]
+        arrival = self.run.arrivals(len(arc))
+        ints = np.stack([arc_run, self.local_state[self.dst[arc]], np.where(word_arc, key_next[j], live["key"][node]),
+                         np.where(word_arc, -1 if new_obj is None else new_obj, live["obj"][node]),
+                         np.where(word_arc, j if new_obj is not None else -1, live["row"][node]),
+                         np.where(word_arc, ng_next[j], live["ng"][node]), arrival])
+        target = self.start_step[owner] + self.level_of[self.dst[arc]]
+        if len(arc) and target.min() == target.max():
+            self.run.add(int(target[0]), ints, cost)
+        elif len(arc):
+            order = np.argsort(target, kind="stable")  # arrivals keep arc order within each lattice
+            t_sorted = target[order]
+            cut = np.flatnonzero(t_sorted[1:] != t_sorted[:-1]) + 1
+            for a, e in zip(np.append(0, cut).tolist(), np.append(cut, len(order)).tolist()):
+                sel = order[a:e]
+                self.run.add(int(t_sorted[a]), ints[:, sel], cost[sel])
         nn_arc, ng_arc = np.where(word_arc, nn[j], 0.0), np.where(word_arc, ng[j], 0.0)
-        src = live["idx"][node]
-        for x, sel in self._per_lattice(owner):
-            x.arcs.append((src[sel], t_level[sel], arrival[sel], self.local_arc[arc][sel], nn_arc[sel], ng_arc[sel],
-                           oov[sel]))
-
-    def _per_lattice(self, owner: np.ndarray):
-        """(expansion, slice of its rows) for each lattice, of rows sorted by `owner`."""
-        ends = np.cumsum(np.bincount(owner, minlength=len(self.xs)))
-        return zip(self.xs, (slice(int(a), int(e)) for a, e in zip(np.append(0, ends[:-1]), ends)))
+        kept_run = self.runs[live["owner"]]
+        self.run.records[step] = _Record(
+            nodes=_run_index(kept_run), node_lat=self.local_state[live["lat"]],
+            arcs=_run_index(arc_run), arc_int=np.stack([live["idx"][node], arrival, self.local_arc[arc]]),
+            arc_float=np.stack([nn_arc, ng_arc, oov]),
+            finals=_run_index(fin_run), fin_int=live["idx"][fin][None],
+            fin_float=np.stack([self.final_acoustic[fl], self.final_graph[fl], nn[fs], ng[fs]]))
 
 
 _KEY_BITS = 21  # bits per word of a packed history key (word ids + 1, 0 = no word): three words in an int64
@@ -549,7 +705,8 @@ class LatticeRescorer:
         self._child: dict[tuple[int, int], int] = {}  # (key id, word) -> key id after the word
         self._ng_states: list = []
         self._ng_id: dict = {}
-        self._ng_cache: dict[tuple[int, int], tuple[float, int]] = {}  # (state id, word; -1 </s>) -> (ln p, next)
+        self._ng_keys = np.zeros(0, dtype=np.int64)  # (n-gram state id, word id + 1; 0 </s>) packed, sorted
+        self._ng_lp, self._ng_next = np.zeros(0), np.zeros(0, dtype=np.int64)  # ln p, state id after it
         self._words: list[str] = []
         self._word_ids: dict[str, int] = {}
 
@@ -564,8 +721,6 @@ class LatticeRescorer:
         same words as `word_id`s: up to order 4 a key is their packed last n-1 ids, computed in arrays."""
         n = self.cfg.max_ngram_order
         if n is not None and n <= 1 + 63 // _KEY_BITS:
-            if len(self._words) >= 1 << _KEY_BITS:
-                raise ConfigError(f"more than {(1 << _KEY_BITS) - 1} distinct words in one run")
             mask = np.int64((1 << (_KEY_BITS * (n - 1))) - 1)
             return np.where(gwords >= 0, ((parents << _KEY_BITS) | (gwords + 1)) & mask, -1)
         out = np.full(len(parents), -1, dtype=np.int64)
@@ -599,28 +754,43 @@ class LatticeRescorer:
         """The rescorer's id of a word string (lattices may come with different symbol tables)."""
         i = self._word_ids.get(word)
         if i is None:
+            if len(self._words) >= (1 << _KEY_BITS) - 2:
+                raise ConfigError(f"more than {(1 << _KEY_BITS) - 2} distinct words in one run")
             i = self._word_ids[word] = len(self._words)
             self._words.append(word)
         return i
 
     def ngram_steps(self, states: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(ln p of each step's word (a `word_id`), or of </s> where it is -1; the n-gram state id after it)."""
+        """(ln p of each step's word (a `word_id`), or of </s> where it is -1; the n-gram state id after it).
+        Answers are kept for the rescorer's life in arrays sorted by (state, word), so a level looks up
+        the pairs seen before at once and asks KenLM only for new ones."""
         n = len(states)
         if self.ngram is None:
             return np.zeros(n), np.full(n, -1, dtype=np.int64)
-        pairs, inverse = np.unique(np.stack([states, words], axis=1), axis=0, return_inverse=True)
-        lp, nxt = np.empty(len(pairs)), np.full(len(pairs), -1, dtype=np.int64)
-        cache, ngram = self._ng_cache, self.ngram
-        for i, (s, wd) in enumerate(pairs.tolist()):  # each distinct step once
-            hit = cache.get((s, wd))
-            if hit is None:
+        pair = (states << _KEY_BITS) | (words + 1)  # word ids are below 2**_KEY_BITS - 1 (child_keys checks)
+        uniq, inverse = np.unique(pair, return_inverse=True)
+        keys = self._ng_keys
+        pos = np.minimum(np.searchsorted(keys, uniq), max(len(keys) - 1, 0))
+        hit = keys[pos] == uniq if len(keys) else np.zeros(len(uniq), dtype=bool)
+        lp = np.where(hit, self._ng_lp[pos] if len(keys) else 0.0, 0.0)
+        nxt = np.where(hit, self._ng_next[pos] if len(keys) else -1, -1)
+        new = np.flatnonzero(~hit)
+        if len(new):
+            new_keys = uniq[new]
+            got_lp, got_next = np.empty(len(new)), np.full(len(new), -1, dtype=np.int64)
+            ngram, ng_states, words_of = self.ngram, self._ng_states, self._words
+            mask = (1 << _KEY_BITS) - 1
+            for k, key in enumerate(new_keys.tolist()):
+                s, wd = key >> _KEY_BITS, (key & mask) - 1
                 if wd < 0:
-                    hit = (ngram.score_eos(self._ng_states[s]), -1)
+                    got_lp[k] = ngram.score_eos(ng_states[s])
                 else:
-                    p, after = ngram.score_word(self._ng_states[s], self._words[wd])
-                    hit = (p, self.ng_id(after))
-                cache[(s, wd)] = hit
-            lp[i], nxt[i] = hit
+                    got_lp[k], after = ngram.score_word(ng_states[s], words_of[wd])
+                    got_next[k] = self.ng_id(after)
+            lp[new], nxt[new] = got_lp, got_next
+            at = np.searchsorted(keys, new_keys)
+            self._ng_keys = np.insert(keys, at, new_keys)
+            self._ng_lp, self._ng_next = np.insert(self._ng_lp, at, got_lp), np.insert(self._ng_next, at, got_next)
         inverse = inverse.reshape(-1)
         return lp[inverse], nxt[inverse]
 
@@ -643,11 +813,15 @@ class LatticeRescorer:
             objs[0] = self.model.initial_state(1, self.device)
             next_obj = 1
         source = iter(enumerate(lats))
-        active: list[tuple[int, _Expansion]] = []
+        batch = self.cfg.lattices_per_batch(self.model is not None)
+        run = _Run()
+        active: list[_Expansion] = []
         frontier: _Frontier | None = None
         exhausted = False
+        step = 0
         while True:
-            while not exhausted and len(active) < self.cfg.batch_lattices:
+            joined = []
+            while not exhausted and len(active) + len(joined) < batch:
                 try:
                     i, item = next(source)
                 except StopIteration:
@@ -656,51 +830,66 @@ class LatticeRescorer:
                 if should_stop is not None and should_stop(i):
                     continue
                 try:
-                    x = _Expansion(self, item() if callable(item) else item)
+                    joined.append(_Expansion(self, item() if callable(item) else item, i))
                 except SmallstateError as e:
                     if on_error is None:
                         raise
                     on_error(i, e)
-                    continue
-                x.start((0, 0) if self.model is not None else None)
-                active.append((i, x))
+            if joined:
+                self._join(joined, run, step)
+                if frontier is not None:
+                    frontier.sync()
+                active += joined
                 frontier = None
             if not active:
                 return
             if frontier is None:
-                frontier = _Frontier([x for _, x in active])
-            obj, row, tok, per_lattice = frontier.prepare()
+                frontier = _Frontier(active, run)
+            obj, row, tok, per_lattice = frontier.prepare(step, self.cfg.max_states)
             lp, new_obj = None, None
             if self.model is not None and len(tok):
                 lp = self._lm_call(obj, row, tok, objs, next_obj)
                 new_obj, next_obj = next_obj, next_obj + 1
-            live_bytes = sum(o.nbytes for o in objs.values())
-            frontier.finish(lp, new_obj)
-            still = []
-            for (i, x), n in zip(active, per_lattice.tolist()):
-                if n and self.model is not None:
-                    x.stats.lm_calls += 1
-                    x.stats.lm_rows += n
-                x.stats.peak_state_bytes = max(x.stats.peak_state_bytes, live_bytes)
-                if x.done:
-                    try:
-                        yield i, x.result()
-                    except SmallstateError as e:
-                        if on_error is None:
-                            raise
-                        on_error(i, e)
-                elif should_stop is None or not should_stop(i):
-                    still.append((i, x))
-            if len(still) != len(active):
+            frontier.count_level(per_lattice, lp is not None, sum(o.nbytes for o in objs.values()))
+            frontier.finish(step, lp, new_obj)
+            done = np.flatnonzero(frontier.last_step <= step)
+            stopped = ([x for k, x in enumerate(active) if frontier.last_step[k] > step and should_stop(x.run)]
+                       if should_stop is not None else [])
+            if len(done) or stopped:
+                frontier.sync()
                 frontier = None
-            active = still
+                finished = {id(active[k]) for k in done.tolist()}
+                for x in active:
+                    if id(x) in finished:
+                        try:
+                            yield x.run, x.result(run)
+                        except SmallstateError as e:
+                            if on_error is None:
+                                raise
+                            on_error(x.run, e)
+                gone = finished | {id(x) for x in stopped}
+                active = [x for x in active if id(x) not in gone]
+                run.forget_before(min((x.start_step for x in active), default=step + 1),
+                                  min((x.first_arrival for x in active), default=run.n_arrivals))
+            step += 1
             if self.model is not None:
-                refs_live = {0} | {o for _, x in active for o in x.state_refs()}
+                refs_live = {0} | run.state_refs()
                 for k in list(objs):
                     if k not in refs_live:
                         del objs[k]
             if pause:
                 yield None
+
+    def _join(self, xs: list[_Expansion], run: _Run, step: int) -> None:
+        """Start lattices at `step`: their arrays, and a path at each start state."""
+        _prepare_group(self, xs)
+        ng = self.ng_id(self.ngram.initial_state()) if self.ngram is not None else -1
+        obj = 0 if self.model is not None else -1
+        for x in xs:
+            x.start_step, x.first_arrival = step, run.n_arrivals
+            ints = np.array([[x.run], [0], [0], [obj], [0 if obj == 0 else -1], [ng], run.arrivals(1).tolist()],
+                            dtype=np.int64)
+            run.add(step + int(x.level_of[0]), ints, np.zeros(1))
 
     def _lm_call(self, obj: np.ndarray, row: np.ndarray, tok: np.ndarray, objs: dict[int, object],
                  new_obj: int) -> np.ndarray:

@@ -155,10 +155,9 @@ class LatticeResult:
     @classmethod
     def of(cls, path: str | Path, exp: ExpandedLattice, w: Weights, nbest: int = 10,
            write_lattices: bool = True, ctm: CtmOptions | None = None) -> LatticeResult:
-        first_pass_scales = (w.am_scale, 1.0)  # the decoder's own best path: graph + am_scale * acoustic
         hyps = exp.nbest(w, nbest) if nbest > 0 else []
         return cls(path=str(path), name=exp.name, nbest=hyps, best=hyps[0]["words"] if hyps else exp.best_words(w),
-                   first_pass=exp.source.best_path(*first_pass_scales)[0],
+                   first_pass=exp.first_pass_words(w.am_scale),
                    lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats,
                    ctm=exp.best_timed_words(w, ctm.seconds_per_tid) if ctm is not None else None)
 

@@ -2,7 +2,7 @@
 
 Expansion bookkeeping is Python and numpy on one core; on a CPU host with an n-gram (or a small LM) the
 other cores would sit idle. Each worker loads the LMs once (a `RescoreJob`), takes tasks of inputs in
-order (a run of single-lattice files, `ExpandConfig.batch_lattices` at a time, or one Kaldi archive, read
+order (a run of single-lattice files, `ExpandConfig.lattices_per_batch` at a time, or one Kaldi archive, read
 as a stream by the worker), and sends back its `LatticeResult`s; the driver adds them in input order to the
 same `LatticeOutputs` as the one-process run, so the outputs are the same files with the same contents.
 
@@ -89,7 +89,8 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
         raise ConfigError(f"a worker pool needs --jobs >= 2, got {jobs}")
     specs = [str(p) for p in paths]
     check_archive_outputs(specs)
-    tasks = _tasks(specs, job.config.batch_lattices)
+    per_task = job.config.lattices_per_batch(job.lm is not None)
+    tasks = _tasks(specs, min(per_task, -(-len(specs) // (2 * jobs))))  # two tasks per worker at least
     single = specs if all(is_single_lattice_file(p) for p in specs) else None  # the progress bar's total, when known
     outputs = LatticeOutputs(single, out, refs, job.write_lattices, progress, on_error, ctm, archive_text)
     threads = max(1, (os.cpu_count() or 1) // jobs) if job.lm is not None else None

@@ -14,7 +14,7 @@ n-gram at the same paths (a shared filesystem) and runs the same environment, wi
 smallstate-lm importable. Relative paths resolve against the driver's working
 directory.
 
-A batch of `ExpandConfig.batch_lattices` lattices makes one batch of the LM calls,
+A batch of `ExpandConfig.lattices_per_batch` lattices makes one batch of the LM calls,
 as in the local run; when the lattices are split into the same batches, the outputs
 are identical to the local run's. Other splits change which LM rows share a call,
 which moves scores by float32 rounding (about 1e-6 nats), not the method.
@@ -171,7 +171,7 @@ def rescore_lattice_files_ray(paths: Sequence[Path], job: RescoreJob, out: Path,
     uses one GPU per actor when the cluster has GPUs, else one CPU; `cpu` forces
     CPUs; `cuda` requires GPUs. `max_actors`: the most actors at once [default: the
     cluster's GPUs, or CPUs]. `batch_size`: lattices per batch [default:
-    `job.config.batch_lattices`]. A file that fails is reported through
+    `job.config.lattices_per_batch`]. A file that fails is reported through
     `on_error(path, message)` and skipped, as in `run.rescore_lattice_files`.
     """
     try:
@@ -198,7 +198,7 @@ def rescore_lattice_files_ray(paths: Sequence[Path], job: RescoreJob, out: Path,
         if device.startswith("cuda") and gpus == 0:
             raise ConfigError(f"device {device!r} requested but the Ray cluster has no GPUs")
         use_gpu = gpus > 0 and device != "cpu"
-        batch = batch_size or job.config.batch_lattices
+        batch = batch_size or job.config.lattices_per_batch(job.lm is not None)
         n_batches = math.ceil(len(paths) / batch)
         actors = min(max_actors or (gpus if use_gpu else max(1, int(resources.get("CPU", 1)))), n_batches)
         ray.data.DataContext.get_current().enable_progress_bars = False  # the driver's own bar counts lattices
