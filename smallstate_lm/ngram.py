@@ -112,6 +112,7 @@ class NgramLM:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise NgramError(f"{self.path}: not a readable ARPA or KenLM binary file ({first[:200]})") from None
         self._kenlm = kenlm
+        self.new_state = kenlm.State  # an empty state, for `model.BaseScore` to write into
         self.order = self.model.order
 
     def __contains__(self, word: str) -> bool:

@@ -140,12 +140,24 @@ class SymbolTable:
 
     def word_mask(self) -> np.ndarray:
         """(max_id + 1,) bool: `is_word` for every id, for vectorised use (`mask[lattice.word]`)."""
+        return self.word_flags(np.arange(max(self._word, default=0) + 1))
+
+    def word_flags(self, ids: np.ndarray) -> np.ndarray:
+        """`is_word` of each id (False for ids not in the table), vectorised; each id's symbol is looked
+        at once, when first asked for: a lattice uses a few hundred of a vocabulary's words."""
+        ids = np.asarray(ids, dtype=np.int64)
         if self._mask is None:
-            mask = np.zeros(max(self._word, default=0) + 1, dtype=bool)
-            for i, w in self._word.items():
-                mask[i] = i != 0 and is_word_symbol(w)
-            self._mask = mask
-        return self._mask
+            self._mask = np.full(max(self._word, default=0) + 1, -1, dtype=np.int8)  # -1: not looked at yet
+        mask = self._mask
+        inside = (ids >= 0) & (ids < mask.size)
+        at = np.where(inside, ids, 0)
+        asked = np.zeros(mask.size, dtype=bool)  # O(ids + table), no sort: lattices have ~1e5 arcs per batch
+        asked[at] = True
+        todo = np.flatnonzero(asked & (mask < 0))
+        if todo.size:
+            word = self._word
+            mask[todo] = [i != 0 and i in word and is_word_symbol(word[i]) for i in todo.tolist()]
+        return inside & (mask[at] == 1)
 
     def write(self, path: str | os.PathLike) -> None:
         """Write `word id` lines sorted by id."""
@@ -333,8 +345,8 @@ class Lattice:
             a = int(back[s])
             arcs.append(a)
             s = int(lat.src[a])
-        mask = lat.symbols.word_mask()
-        words = [lat.symbols.word(w) for w in lat.word[arcs[::-1]] if w < mask.size and mask[w]]
+        path = lat.word[arcs[::-1]]
+        words = [lat.symbols.word(w) for w in path[lat.symbols.word_flags(path)].tolist()]
         return words, float(total.min())
 
 
@@ -376,17 +388,18 @@ def viterbi(num_nodes: int, src: np.ndarray, dst: np.ndarray, cost: np.ndarray,
     arc_level = level[dst]
     order = np.argsort(arc_level, kind="stable")
     bounds = np.searchsorted(arc_level[order], np.arange(int(level.max(initial=0)) + 2))
+    first = np.full(num_nodes, len(src), dtype=np.int64)  # lowest best in-arc of each node
     for lo, hi in zip(bounds[1:-1].tolist(), bounds[2:].tolist()):
         if lo == hi:
             continue
-        a = order[lo:hi]  # arcs into this level, in index order
+        a = order[lo:hi]  # arcs into this level: their targets have no other in-arcs
         d = dst[a]
         cand = dist[src[a]] + cost[a]
-        o = np.lexsort((cand, d))  # by node, then cost; stable, so ties keep index order
-        d_o = d[o]
-        first = np.flatnonzero(np.r_[True, d_o[1:] != d_o[:-1]])
-        dist[d_o[first]] = cand[o[first]]
-        back[d_o[first]] = a[o[first]]
+        np.minimum.at(dist, d, cand)
+        win = cand == dist[d]
+        np.minimum.at(first, d[win], a[win])
+    reached = first < len(src)
+    back[reached] = first[reached]
     return dist, back
 
 

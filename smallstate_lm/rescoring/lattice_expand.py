@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ConfigError, SmallstateError
-from ..ngram import NgramLM
+from ..ngram import LN10, NgramLM
 from ..vocab import EOS_ID, Vocabulary
 from ..weights import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
 from .kbest import nbest_dicts
@@ -348,19 +348,32 @@ def _word_arrays(rescorer: "LatticeRescorer", lats: list[Lattice], word: np.ndar
     known = oov_reference(vocab, ngram)
     for members in tables.values():
         sym = lats[members[0]].symbols
-        mask = sym.word_mask()
         rows = np.flatnonzero(np.isin(table, members)) if len(tables) > 1 else np.arange(len(word))
-        wd = word[rows]
-        ok = (wd < mask.size) & mask[np.minimum(wd, mask.size - 1)]
-        at = rows[ok]
+        ids, inverse = _distinct(word[rows])
+        flags = sym.word_flags(ids)
+        at = rows[flags[inverse]]
         is_word[at] = True
-        ids, inverse = np.unique(word[at], return_inverse=True)
+        ids, inverse = _distinct(word[at])
         strings = [sym.word(i) for i in ids.tolist()]
         if vocab is not None:
             arc_lm[at] = np.array([vocab.encode([ws])[0] for ws in strings], dtype=np.int64)[inverse]
         arc_oov[at] = np.array([float(count_oov([ws], known)) for ws in strings])[inverse]
         arc_gword[at] = np.array([rescorer.word_id(ws) for ws in strings], dtype=np.int64)[inverse]
     return is_word, arc_lm, arc_oov, arc_gword
+
+
+def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(values, return_inverse=True)` of small non-negative ints (word ids), without a sort."""
+    top = int(values.max(initial=-1)) + 1
+    if top > 4 * len(values) + (1 << 20):
+        ids, inverse = np.unique(values, return_inverse=True)
+        return ids, inverse.reshape(-1)
+    present = np.zeros(top, dtype=bool)
+    present[values] = True
+    ids = np.flatnonzero(present)
+    slot = np.zeros(top, dtype=np.int64)
+    slot[ids] = np.arange(len(ids))
+    return ids, slot[values]
 
 
 def _first_pass_words(lats: list[Lattice], src, dst, word, cost, final, level, soff, ns) -> list[list[str] | None]:
@@ -389,9 +402,8 @@ def _first_pass_words(lats: list[Lattice], src, dst, word, cost, final, level, s
         o = np.lexsort((-np.repeat(np.arange(len(steps_lat)), [len(s) for s in steps_lat]), lat_ids))
         lat_ids, arcs = lat_ids[o], arcs[o]  # per lattice, from the first arc of its path
         for k, sl in _run_index(lat_ids).items():
-            sym = lats[k].symbols
-            mask = sym.word_mask()
-            out[k] = [sym.word(wd) for wd in word[arcs[sl]].tolist() if wd < mask.size and mask[wd]]
+            sym, path = lats[k].symbols, word[arcs[sl]]
+            out[k] = [sym.word(wd) for wd in path[sym.word_flags(path)].tolist()]
     return out
 
 
@@ -451,7 +463,8 @@ class _Run:
         return self._nodes[arrival - self._node_base]
 
     def forget_before(self, step: int, arrival: int) -> None:
-        """Drop records of steps before `step` and nodes of arrivals before `arrival`: no lattice in flight needs them."""
+        """Drop records of steps before `step` and nodes of arrivals before `arrival`: no lattice in flight
+        needs them."""
         for s in [s for s in self.records if s < step]:
             del self.records[s]
         drop = arrival - self._node_base
@@ -507,14 +520,25 @@ class _Frontier:
         self.lm_calls = np.array([x.stats.lm_calls for x in xs], dtype=np.int64)
         self.lm_rows = np.array([x.stats.lm_rows for x in xs], dtype=np.int64)
         self.peak = np.array([x.stats.peak_state_bytes for x in xs], dtype=np.int64)
+        self.alive = np.ones(len(xs), dtype=bool)
         self.live: dict[str, np.ndarray] = {}
         self.steps: dict[str, np.ndarray] = {}
 
-    def sync(self) -> None:
-        for k, x in enumerate(self.xs):
+    def retire(self, done: np.ndarray, stopped_runs: list[int]) -> None:
+        """Lattices that finished (slots `done`) or were stopped leave: their counts are written back."""
+        self.sync(done)
+        self.alive[done] = False
+        if stopped_runs:
+            self.alive[np.isin(self.runs, stopped_runs)] = False
+
+    def sync(self, slots: np.ndarray | None = None) -> None:
+        """Write the per-lattice counts back to the lattices (all, or those of `slots`)."""
+        for k in range(len(self.xs)) if slots is None else slots.tolist():
+            x = self.xs[k]
             x.n_nodes, x.per_state_cap, x.beam = int(self.n_nodes[k]), int(self.cap[k]), float(self.beams[k])
             st = x.stats
-            st.pruned_harder, st.lm_calls, st.lm_rows = bool(self.harder[k]), int(self.lm_calls[k]), int(self.lm_rows[k])
+            st.pruned_harder, st.lm_calls = bool(self.harder[k]), int(self.lm_calls[k])
+            st.lm_rows = int(self.lm_rows[k])
             st.peak_state_bytes = int(self.peak[k])
 
     def count_level(self, per_lattice: np.ndarray, called: bool, live_bytes: int) -> None:
@@ -531,7 +555,7 @@ class _Frontier:
         ints, cost = got
         run, local, key, obj, row, ng, arrival = ints
         slot = np.minimum(np.searchsorted(self.runs, run), len(self.runs) - 1)
-        here = self.runs[slot] == run  # paths of a lattice dropped since they were queued are dropped too
+        here = (self.runs[slot] == run) & self.alive[slot]  # a lattice stopped since they were queued: dropped
         if not here.all():
             slot, local, key, cost, obj, row, ng, arrival = (a[here] for a in (slot, local, key, cost, obj, row, ng,
                                                                                arrival))
@@ -778,15 +802,19 @@ class LatticeRescorer:
         if len(new):
             new_keys = uniq[new]
             got_lp, got_next = np.empty(len(new)), np.full(len(new), -1, dtype=np.int64)
-            ngram, ng_states, words_of = self.ngram, self._ng_states, self._words
+            model, new_state, ln10 = self.ngram.model, self.ngram.new_state, LN10  # KenLM itself: ~40k calls a run
+            ng_states, words_of, ng_index = self._ng_states, self._words, self._ng_id
             mask = (1 << _KEY_BITS) - 1
             for k, key in enumerate(new_keys.tolist()):
                 s, wd = key >> _KEY_BITS, (key & mask) - 1
-                if wd < 0:
-                    got_lp[k] = ngram.score_eos(ng_states[s])
-                else:
-                    got_lp[k], after = ngram.score_word(ng_states[s], words_of[wd])
-                    got_next[k] = self.ng_id(after)
+                after = new_state()
+                got_lp[k] = model.BaseScore(ng_states[s], words_of[wd] if wd >= 0 else "</s>", after) * ln10
+                if wd >= 0:
+                    i = ng_index.get(after)
+                    if i is None:
+                        i = ng_index[after] = len(ng_states)
+                        ng_states.append(after)
+                    got_next[k] = i
             lp[new], nxt[new] = got_lp, got_next
             at = np.searchsorted(keys, new_keys)
             self._ng_keys = np.insert(keys, at, new_keys)
@@ -852,23 +880,22 @@ class LatticeRescorer:
                 new_obj, next_obj = next_obj, next_obj + 1
             frontier.count_level(per_lattice, lp is not None, sum(o.nbytes for o in objs.values()))
             frontier.finish(step, lp, new_obj)
-            done = np.flatnonzero(frontier.last_step <= step)
-            stopped = ([x for k, x in enumerate(active) if frontier.last_step[k] > step and should_stop(x.run)]
+            done = np.flatnonzero((frontier.last_step == step) & frontier.alive)
+            stopped = ([x for x in active if x.last_step > step and should_stop(x.run)]
                        if should_stop is not None else [])
             if len(done) or stopped:
-                frontier.sync()
-                frontier = None
-                finished = {id(active[k]) for k in done.tolist()}
-                for x in active:
-                    if id(x) in finished:
-                        try:
-                            yield x.run, x.result(run)
-                        except SmallstateError as e:
-                            if on_error is None:
-                                raise
-                            on_error(x.run, e)
-                gone = finished | {id(x) for x in stopped}
-                active = [x for x in active if id(x) not in gone]
+                # the frontier keeps the lattices that left (their rows are skipped) until the next one joins
+                frontier.retire(done, [x.run for x in stopped])
+                for k in done.tolist():
+                    x = frontier.xs[k]
+                    try:
+                        yield x.run, x.result(run)
+                    except SmallstateError as e:
+                        if on_error is None:
+                            raise
+                        on_error(x.run, e)
+                gone = {frontier.xs[k].run for k in done.tolist()} | {x.run for x in stopped}
+                active = [x for x in active if x.run not in gone]
                 run.forget_before(min((x.start_step for x in active), default=step + 1),
                                   min((x.first_arrival for x in active), default=run.n_arrivals))
             step += 1

@@ -317,8 +317,7 @@ class Compute:
     def _check_lattice_vocabulary(self, lat: Lattice, field: str) -> None:
         """The overlap check of hypothesis lists, on a lattice's words: a lattice in the wrong
         vocabulary is refused like a list in it (422), not scored as all <unk>."""
-        mask = lat.symbols.word_mask()
-        words = [[lat.symbols.word(i) for i in lat.word[mask[lat.word]].tolist()]]
+        words = [[lat.symbols.word(i) for i in lat.word[lat.symbols.word_flags(lat.word)].tolist()]]
         try:
             if self.neural is not None:
                 check_overlap(words, self.neural.vocab, "the neural LM")

@@ -68,7 +68,7 @@ def lattice_cost(lat: Lattice, max_per_state: int) -> int:
     for a, b in zip(lat.src.tolist(), lat.dst.tolist()):  # prepared: topological states, arcs sorted by source
         paths[b] = min(max_per_state, paths[b] + paths[a])
     histories = np.array(paths, dtype=np.int64)
-    words = lat.symbols.word_mask()[lat.word]
+    words = lat.symbols.word_flags(lat.word)
     return int(histories[lat.src[words]].sum() + histories[lat.is_final()].sum())
 
 
