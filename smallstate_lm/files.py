@@ -4,22 +4,14 @@ with errors that name the file."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from .errors import DataError
 
-
-def _read_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-# Read once at import, while nothing else runs: os.umask can only be read by setting it.
-_UMASK = _read_umask()
+_TEMP_NAMES = itertools.count()
 
 
 @contextlib.contextmanager
@@ -28,16 +20,30 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     `path`, when it fails it is removed, so no half-written file ever carries the name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    # mkstemp makes the file private (0600); outputs get the mode a plain open() would give
-    os.chmod(tmp, 0o666 & ~_UMASK)
+    tmp = _new_temp(path)
     try:
-        yield Path(tmp)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def _new_temp(path: Path) -> Path:
+    """An empty file of our own beside `path`, with the mode a plain open() would give (umask applied):
+    named by process and a counter (a run writes thousands), O_EXCL against any clash."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{next(_TEMP_NAMES)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

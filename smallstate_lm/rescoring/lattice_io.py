@@ -29,7 +29,7 @@ from typing import Callable, Generator, Iterator
 
 import numpy as np
 
-from ..files import atomic_output
+from ..files import atomic_write_bytes
 from .fst_binary import FST_MAGIC, read_fst_bytes, write_fst_bytes
 from .kaldi_archive import iter_kaldi_archive, iter_kaldi_script, looks_like_kaldi_archive, looks_like_kaldi_script
 from .lattice import Lattice, LatticeFormatError, SymbolTable, is_word_symbol
@@ -174,9 +174,7 @@ def write_fst(path: str | os.PathLike, lattice: Lattice) -> None:
     the bytes kaldifst writes for it. Costs are stored as float32 (as in Kaldi); `read_fst` returns them
     exactly.
     """
-    data = write_fst_bytes(lattice, "lattice4")
-    with atomic_output(path) as tmp:
-        tmp.write_bytes(data)
+    atomic_write_bytes(path, write_fst_bytes(lattice, "lattice4"))
 
 
 # ----------------------------------------------------------------------------------------------------------
