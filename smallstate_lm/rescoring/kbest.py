@@ -184,17 +184,21 @@ def nbest_dicts(expanded, w, n: int) -> list[dict]:
     x = expanded
     word_key = np.where(x.is_word > 0, x.word, -1)
     paths = kbest_paths(len(x.node_lat), x.src, x.dst, x.arc_costs(w), x.final_node, x.final_costs(w), word_key, n)
+    per_arc = np.stack([x.acoustic, x.graph, x.nn, x.ng, x.is_word, x.oov])  # one gather per path, not six
+    per_final = np.stack([x.final_acoustic, x.final_graph, x.final_nn, x.final_ng])
     out = []
     for tot, a, fi in paths:
+        am, graph, nn, ng, n_words, n_oov = per_arc[:, a].sum(axis=1).tolist()
+        f_am, f_graph, f_nn, f_ng = per_final[:, fi].tolist()
         words = x.word[a][x.is_word[a] > 0]
         out.append({
-            "words": [x.symbols.word(int(i)) for i in words],
-            "am": float(-x.acoustic[a].sum() - x.final_acoustic[fi]),
-            "graph": float(-x.graph[a].sum() - x.final_graph[fi]),
-            "neural": float(x.nn[a].sum() + x.final_nn[fi]),
-            "ngram": float(x.ng[a].sum() + x.final_ng[fi]),
-            "n_words": int(x.is_word[a].sum()),
-            "n_oov": int(x.oov[a].sum()),
+            "words": [x.symbols.word(i) for i in words.tolist()],
+            "am": -am - f_am,
+            "graph": -graph - f_graph,
+            "neural": nn + f_nn,
+            "ngram": ng + f_ng,
+            "n_words": int(n_words),
+            "n_oov": int(n_oov),
             "total": float(-tot),
         })
     return out

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from tqdm import tqdm
 
 from ..errors import ConfigError, SmallstateError
-from ..files import atomic_write_text
+from ..files import atomic_write_bytes, atomic_write_text
 from ..weights import Weights
 from .lattice import Lattice, LatticeFormatError, SymbolTable
 from .lattice_expand import ExpandedLattice, ExpandStats, LatticeRescorer
@@ -146,6 +146,7 @@ class LatticeResult:
     best: list[str] = field(default_factory=list)
     first_pass: list[str] = field(default_factory=list)
     lattice: Lattice | None = None
+    fst: bytes | None = None  # instead of `lattice`: its OpenFST bytes, made where the lattice was rescored
     stats: ExpandStats | None = None
     error: str | None = None
     archive: str | None = None
@@ -172,6 +173,15 @@ class LatticeResult:
         if self.lattice is None:
             return self
         return dataclasses.replace(self, lattice=dataclasses.replace(self.lattice, symbols=None))
+
+    def encoded(self) -> LatticeResult:
+        """The same result to ship from a worker process: a rescored lattice bound for its own file already
+        in OpenFST bytes (the worker does the encoding, the writer only writes), others `without_symbols`."""
+        if self.lattice is None or self.archive is not None:
+            return self.without_symbols()
+        from .fst_binary import write_fst_bytes
+
+        return dataclasses.replace(self, lattice=None, fst=write_fst_bytes(self.lattice, "lattice4"))
 
 
 def check_archive_outputs(specs: Sequence[Path | str]) -> None:
@@ -258,7 +268,9 @@ class LatticeOutputs:
                            scores={key: v for key, v in h.items() if key != "words"} | {"rank": k})
                 for k, h in enumerate(r.nbest)]))
         entry = None
-        if self.write_lattices and r.lattice is not None:
+        if self.write_lattices and r.fst is not None:
+            atomic_write_bytes(self.out / "lattices" / f"{r.name}.lat.fst", r.fst)
+        elif self.write_lattices and r.lattice is not None:
             if r.archive is not None:
                 entry = (r.archive, r.kind, r.name, r.lattice)
             else:

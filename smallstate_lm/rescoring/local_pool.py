@@ -59,7 +59,7 @@ def _run(specs: list[str]) -> tuple[list[bytes], int]:
     symbols, rescorer, job, ctm = _worker
     calls = rescorer.lm_calls
     got = sorted(rescore_lattices(specs, symbols, rescorer, job.nbest, job.write_lattices, ctm), key=lambda x: x[0])
-    return [pickle.dumps(r.without_symbols(), protocol=pickle.HIGHEST_PROTOCOL) for _, r in got], \
+    return [pickle.dumps(r.encoded(), protocol=pickle.HIGHEST_PROTOCOL) for _, r in got], \
         rescorer.lm_calls - calls
 
 
