@@ -502,7 +502,8 @@ def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_
 
         if device not in ("auto", "cpu"):
             raise ConfigError(f"--jobs runs CPU workers; with --device {device} use one process per GPU (or --ray)")
-        summary = rescore_lattice_files_pool(inputs, job, jobs, out, ref, not quiet, on_error, ctm, archive_text)
+        summary = rescore_lattice_files_pool(inputs, job, jobs, out, ref, not quiet, on_error, ctm, archive_text,
+                                             symbols)
     elif ray is not None:
         from .rescoring.lattice_files import is_archive_input
         from .rescoring.ray_runner import rescore_lattice_files_ray

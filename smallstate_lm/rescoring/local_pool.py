@@ -36,7 +36,7 @@ _worker: tuple | None = None  # (symbols, rescorer, job, ctm) of this worker pro
 _start_error: BaseException | None = None  # why this worker could not load: raised by its first task
 
 
-def _start(job, ctm: CtmOptions | None, cwd: str, threads: int | None) -> None:
+def _start(job, ctm: CtmOptions | None, cwd: str, threads: int | None, symbols: SymbolTable | None) -> None:
     global _worker, _start_error
     from .ray_runner import load_rescorer
 
@@ -46,7 +46,8 @@ def _start(job, ctm: CtmOptions | None, cwd: str, threads: int | None) -> None:
             import torch
 
             torch.set_num_threads(threads)
-        symbols = SymbolTable.read(job.words) if job.words is not None else None
+        if symbols is None and job.words is not None:
+            symbols = SymbolTable.read(job.words)
         _worker = (symbols, load_rescorer(job, "cpu"), job, ctm)
     except SmallstateError as e:  # a bad model file: the user's error, sent back with the first task
         _start_error = e
@@ -83,8 +84,9 @@ def _tasks(paths: Sequence[str], per_task: int) -> list[list[str]]:
 def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out: Path,
                                refs: dict[str, list[str]] | None = None, progress: bool = True,
                                on_error: Callable[[Path, str], None] | None = None, ctm: CtmOptions | None = None,
-                               archive_text: bool = False) -> LatticeRunSummary:
-    """`rescore_lattice_files` on `jobs` local worker processes (CPU only): same outputs, same reports."""
+                               archive_text: bool = False, symbols: SymbolTable | None = None) -> LatticeRunSummary:
+    """`rescore_lattice_files` on `jobs` local worker processes (CPU only): same outputs, same reports.
+    `symbols`, when the caller has read `job.words` already, go to the workers (a forked one shares them)."""
     if jobs < 2:
         raise ConfigError(f"a worker pool needs --jobs >= 2, got {jobs}")
     specs = [str(p) for p in paths]
@@ -97,7 +99,7 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
     method = "spawn" if "torch" in sys.modules else "fork"
     index, lm_calls = 0, 0
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)) or 1, mp_context=multiprocessing.get_context(method),
-                               initializer=_start, initargs=(job, ctm, os.getcwd(), threads))
+                               initializer=_start, initargs=(job, ctm, os.getcwd(), threads, symbols))
     try:
         for blobs, calls in pool.map(_run, tasks):
             lm_calls += calls
