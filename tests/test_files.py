@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from smallstate_lm.files import atomic_output, atomic_write_text
+from smallstate_lm.files import atomic_output, atomic_write_bytes, atomic_write_text
 
 
 def test_an_atomic_output_gets_the_mode_of_a_plain_write(tmp_path):
@@ -21,3 +21,13 @@ def test_a_failed_write_leaves_neither_the_name_nor_a_temp_file(tmp_path):
             tmp.write_bytes(b"half")
             raise RuntimeError("disk full")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_writes_replace_whole_files_and_leave_no_temp_files(tmp_path):
+
+    target = tmp_path / "sub" / "lat.fst"
+    for data in (b"first version", b"second"):  # the second replaces the first, whole
+        atomic_write_bytes(target, data)
+        assert target.read_bytes() == data
+    atomic_write_bytes(tmp_path / "sub" / "busy.fst", b"x")
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["busy.fst", "lat.fst"]

@@ -1,0 +1,70 @@
+"""Expansion run-wide (issue 16): lattices prepared as a group and expanded side by side give each the
+result it gets alone, whatever the batch and whichever lattices leave early; the decoder's best path comes
+out of the same pass; symbol flags are computed only for the ids asked."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_expand_arrays import ARRAYS, W, lattices
+
+from smallstate_lm.ngram import NgramLM
+from smallstate_lm.rescoring.lattice import SymbolTable
+from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer
+
+
+@pytest.fixture(scope="module")
+def lats():
+    return lattices()
+
+
+def _same(a, b):
+    assert a.stats.expanded_states == b.stats.expanded_states
+    for k in ARRAYS + ("nn", "ng", "final_nn", "final_ng"):
+        np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)
+
+
+def test_each_lattice_expands_as_it_does_alone_whatever_the_batch(lats, kenlm_model):
+    ngram = NgramLM(kenlm_model)
+    alone = [LatticeRescorer(W, ngram=ngram, config=ExpandConfig(batch_lattices=1)).expand(lat) for lat in lats]
+    for batch in (3, None):  # refilled as lattices finish; all at once (the n-gram-only default)
+        got = dict(LatticeRescorer(W, ngram=ngram, config=ExpandConfig(batch_lattices=batch)).expand_many(lats))
+        assert sorted(got) == list(range(len(lats)))
+        for i, exp in got.items():
+            _same(exp, alone[i])
+
+
+def test_a_stopped_lattice_yields_nothing_and_leaves_the_others_unchanged(lats, kenlm_model):
+    ngram = NgramLM(kenlm_model)
+    full = dict(LatticeRescorer(W, ngram=ngram, config=ExpandConfig(batch_lattices=4)).expand_many(lats))
+    asked = []
+
+    def stop(i):  # lattice 1 is stopped after it has started; lattice 2 before it starts
+        asked.append(i)
+        return i == 2 or (i == 1 and asked.count(1) > 2)
+
+    got = dict(LatticeRescorer(W, ngram=ngram, config=ExpandConfig(batch_lattices=4)).expand_many(
+        lats, should_stop=stop))
+    assert sorted(got) == [i for i in range(len(lats)) if i not in (1, 2)]
+    assert asked.count(1) > 2, "lattice 1 was asked between levels"
+    for i, exp in got.items():
+        _same(exp, full[i])
+
+
+@pytest.mark.parametrize("am_scale", [0.1, 1.0])
+def test_first_pass_from_the_expansion_is_the_lattices_best_path(lats, kenlm_model, am_scale):
+    w = dataclasses.replace(W, am_scale=am_scale)
+    rescorer = LatticeRescorer(w, ngram=NgramLM(kenlm_model))
+    for i, exp in rescorer.expand_many(lats):
+        assert exp.first_pass is not None
+        assert exp.first_pass_words(am_scale) == lats[i].best_path(am_scale, 1.0)[0]
+        assert exp.first_pass_words(2 * am_scale) == lats[i].best_path(2 * am_scale, 1.0)[0]  # not the cached one
+
+
+def test_word_flags_look_at_the_ids_asked_and_match_is_word():
+    table = SymbolTable([("<eps>", 0), ("a", 1), ("#0", 3), ("<unk>", 7), ("[NOISE]", 8), ("b", 10)])
+    ids = np.array([10, 1, 3, 2, 7, 8, 0, 99, -1, 1])
+    got = table.word_flags(ids)
+    want = [table.has_id(i) and table.is_word(i) for i in ids.tolist()]
+    assert got.tolist() == want
+    assert table.word_mask().tolist() == [table.has_id(i) and table.is_word(i) for i in range(11)]
