@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from tqdm import tqdm
-
 from ..errors import ConfigError, SmallstateError
 from ..files import atomic_write_bytes, atomic_write_text
 from ..weights import Weights
@@ -207,6 +205,20 @@ def archive_output_name(spec: str) -> str:
     return path.name[: -len(".scp")] + ".ark" if kind == "scp" and path.name.endswith(".scp") else path.name
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int | None):
+    from tqdm import tqdm  # only when shown: a quiet run need not import it
+
+    return tqdm(total=total, desc="lattices", unit="lat")
+
+
 class LatticeOutputs:
     """Collects `LatticeResult`s in any order and writes the run's outputs under `out`:
     `lattices/<name>.lat.fst` as each result arrives (or, for lattices of a Kaldi archive,
@@ -235,7 +247,7 @@ class LatticeOutputs:
         self.held: dict[int, tuple[str, str | None, str, Lattice] | None] = {}
         self.next_index = 0
         self.archive_stack = contextlib.ExitStack()
-        self.bar = tqdm(total=len(self.paths) or None, disable=not progress, desc="lattices", unit="lat")
+        self.bar = _progress_bar(len(self.paths) or None) if progress else _NoBar()
 
     def add(self, r: LatticeResult, index: int | None = None) -> None:
         self.bar.update(1)
