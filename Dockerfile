@@ -20,6 +20,9 @@ RUN pip download --no-deps --no-binary :all: "kenlm==${KENLM_VERSION}" -d /src \
     && cmake -S /src/kenlm -B /src/build -DCMAKE_BUILD_TYPE=Release \
     && cmake --build /src/build --target lmplz build_binary -j"$(nproc)" \
     && pip wheel --no-deps -w /wheels "/src/kenlm-${KENLM_VERSION}.tar.gz"
+# the compiled loops of lattice rescoring (k-best, FST records, searches)
+COPY scripts/build_native.sh smallstate_lm/rescoring/_native.c /src/native/
+RUN bash /src/native/build_native.sh /src/native/_native.c /src/native/_native.so
 
 # ---- runtime: the CUDA PyTorch base (its torch satisfies torch>=2.1), the package, lmplz
 FROM ${BASE}
@@ -31,6 +34,7 @@ COPY --from=build /wheels /wheels
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY smallstate_lm ./smallstate_lm
+COPY --from=build /src/native/_native.so ./smallstate_lm/rescoring/
 RUN pip install --no-cache-dir /wheels/*.whl . && rm -rf /wheels
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin smallstate

@@ -27,9 +27,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] 
   "$PY" -m pip install -q "torch==$TORCH_VERSION"
 fi
 
-# Debian packages for building KenLM (and the kenlm Python module), and espeak-ng, the speech synthesiser of
+# Debian packages for building KenLM (and the kenlm Python module) and our compiled loops, and espeak-ng, the speech synthesiser of
 # the PocketSphinx example and its test (examples/pocketsphinx).
-APT_PKGS="cmake g++ make libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev zlib1g-dev libbz2-dev liblzma-dev espeak-ng"
+APT_PKGS="cmake gcc g++ make libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev zlib1g-dev libbz2-dev liblzma-dev espeak-ng"
 missing=""
 for p in $APT_PKGS; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
@@ -50,6 +50,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
 fi
 # bytecode for the editable install, as a wheel install would have: every command starts faster
 "$PY" -m compileall -q smallstate_lm >/dev/null
+# the compiled loops of lattice rescoring (k-best, FST records, searches): a second, ~0.5 s
+bash scripts/build_native.sh
 
 if [ ! -x "$VENV/bin/lmplz" ] || [ ! -x "$VENV/bin/build_binary" ]; then
   mkdir -p "$BUILD_DIR"

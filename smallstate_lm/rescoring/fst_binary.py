@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .lattice import Lattice, LatticeFormatError, SymbolTable
+from .native import library
 
 FST_MAGIC = 2125659606
 _SYMBOLS_MAGIC = 2125658996
@@ -166,6 +167,15 @@ def _vector_records(b: _Bytes, num_states: int, k: int) -> tuple[list[int], list
     reads; `_size_problem` explains why it stopped."""
     data, n = b.data, len(b.data)
     head, arc_size, at_count = 4 * k + 8, 4 * k + 12, 4 * k
+    lib = library()
+    if lib is not None:  # the same walk, compiled (_native.c)
+        todo = num_states if num_states >= 0 else n
+        cap = max(0, min(todo, (n - b.pos) // head + 1))
+        starts_a, counts_a, end = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64), np.zeros(1, np.int64)
+        s = lib.ssl_vector_records(np.frombuffer(data, dtype=np.uint8), n, b.pos, todo, k, cap, starts_a, counts_a,
+                                   end)
+        starts, counts = starts_a[:s].tolist(), counts_a[:s].tolist()
+        return starts, counts, _size_problem(starts, counts, int(end[0]), n, num_states, k)
     unpack = _INT64.unpack_from
     starts: list[int] = []
     counts: list[int] = []
@@ -329,7 +339,7 @@ def _word_ids(osyms: dict[int, str] | None, olabel: np.ndarray, state: np.ndarra
     labels, inverse = np.unique(olabel.astype(np.int64), return_inverse=True)  # (U,), (A,)
     if osyms is None:
         ids, shown = labels, labels.tolist()
-        known = np.asarray([x == 0 or symbols.has_id(x) for x in shown], dtype=bool)
+        known = (labels == 0) | symbols.has_ids(labels)
     else:  # the file names its labels: look the names up in `symbols`
         missing = [x for x in labels.tolist() if x not in osyms]
         if missing:
@@ -451,10 +461,15 @@ def write_fst_bytes(lat: Lattice, arc_type: str = "lattice4") -> bytes:
     arcs = np.zeros(A, dtype=_arc_dtype(k))
     arcs["ilabel"] = arcs["olabel"] = word
     arcs["weight"], arcs["nextstate"] = cost, dst
-    before = np.cumsum(head["narcs"]) - head["narcs"]  # (S,) arcs before each state's
-    at = len(header) + np.arange(S) * head.itemsize + before * arcs.itemsize  # (S,) byte offset of each record
     out = np.zeros(len(header) + S * head.itemsize + A * arcs.itemsize, dtype=np.uint8)
     out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    lib = library()
+    if lib is not None:  # the same layout, written by a loop (_native.c)
+        lib.ssl_vector_write(S, k, np.ascontiguousarray(head["final"]), np.ascontiguousarray(head["narcs"]),
+                             arcs.view(np.uint8), out[len(header):])
+        return out.tobytes()
+    before = np.cumsum(head["narcs"]) - head["narcs"]  # (S,) arcs before each state's
+    at = len(header) + np.arange(S) * head.itemsize + before * arcs.itemsize  # (S,) byte offset of each record
     out[at[:, None] + np.arange(head.itemsize)] = head.view(np.uint8).reshape(S, head.itemsize)
     within = np.arange(A) - before[src]  # (A,) each arc's index within its state
     arc_at = at[src] + head.itemsize + within * arcs.itemsize  # (A,)

@@ -24,6 +24,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from .native import library
+
 # Candidate pops allowed over all nodes before the search gives up (a safety net: the natural
 # bound above only exceeds it for very large lattices with a large n).
 DEFAULT_MAX_PATHS = 2_000_000
@@ -33,23 +35,28 @@ class KbestTruncated(UserWarning):
     """The k-best search hit its cap on examined paths and returned fewer than n sequences."""
 
 
+def _graph(n_nodes, src, dst, cost, final_node, final_cost, word_key):
+    """The DAG with the finals as arcs into a virtual sink (node n_nodes, arcs E..), checked, and its
+    in-arcs by node: (src, dst, cost, word, in_start, in_arcs)."""
+    if (len(src) and int(np.max(dst)) >= n_nodes) or (len(final_node) and int(np.max(final_node)) >= n_nodes):
+        raise ValueError(f"a node number is not below n_nodes={n_nodes}")
+    src = np.concatenate([np.asarray(src, dtype=np.int64), np.asarray(final_node, dtype=np.int64)])
+    dst = np.concatenate([np.asarray(dst, dtype=np.int64), np.full(len(final_node), n_nodes, dtype=np.int64)])
+    cost = np.concatenate([np.asarray(cost, dtype=np.float64), np.asarray(final_cost, dtype=np.float64)])
+    word = np.concatenate([np.asarray(word_key, dtype=np.int64), np.full(len(final_node), -1, dtype=np.int64)])
+    if len(src) and (src.min() < 0 or bool((src >= dst).any())):
+        raise ValueError("arcs must go from a lower to a higher node number (topological order, start 0)")
+    in_arcs = np.argsort(dst, kind="stable")
+    in_start = np.searchsorted(dst[in_arcs], np.arange(n_nodes + 2))
+    return src, dst, cost, word, in_start, in_arcs
+
+
 class _LazyKbest:
     """Derivation lists of one DAG; node `n_nodes` is the virtual sink, arcs E.. are the finals."""
 
-    def __init__(self, n_nodes, src, dst, cost, final_node, final_cost, word_key):
-        n_arcs = len(src)
-        self.n_arcs, self.sink = n_arcs, n_nodes
-        if (n_arcs and int(np.max(dst)) >= n_nodes) or (len(final_node) and int(np.max(final_node)) >= n_nodes):
-            raise ValueError(f"a node number is not below n_nodes={n_nodes}")
-        src = np.concatenate([np.asarray(src, dtype=np.int64), np.asarray(final_node, dtype=np.int64)])
-        dst = np.concatenate([np.asarray(dst, dtype=np.int64), np.full(len(final_node), n_nodes, dtype=np.int64)])
-        cost = np.concatenate([np.asarray(cost, dtype=np.float64), np.asarray(final_cost, dtype=np.float64)])
-        word = np.concatenate([np.asarray(word_key, dtype=np.int64), np.full(len(final_node), -1, dtype=np.int64)])
-        if len(src) and (src.min() < 0 or bool((src >= dst).any())):
-            raise ValueError("arcs must go from a lower to a higher node number (topological order, start 0)")
-        order = np.argsort(dst, kind="stable")
-        self.in_start = np.searchsorted(dst[order], np.arange(n_nodes + 2)).tolist()
-        self.in_arcs = order.tolist()
+    def __init__(self, n_nodes, src, dst, cost, word, in_start, in_arcs):
+        self.n_arcs, self.sink = len(src) - int(in_start[-1] - in_start[-2]), n_nodes  # finals come last
+        self.in_start, self.in_arcs = in_start.tolist(), in_arcs.tolist()
         self.src, self.cost, self.word = src.tolist(), cost.tolist(), word.tolist()
         alpha = self._forward(n_nodes + 1)
         # cost of each arc's best derivation: the key of its rank-0 candidate at the arc's target
@@ -161,12 +168,15 @@ def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, 
     final_node = np.asarray(final_node, dtype=np.int64)
     if n < 1 or len(final_node) == 0:
         return []
-    kb = _LazyKbest(n_nodes, src, dst, cost, final_node, final_cost, word_key)
+    graph = _graph(n_nodes, src, dst, cost, final_node, final_cost, word_key)
+    lib = library()
+    if lib is not None and n_nodes < 1 << 31 and (len(graph[3]) == 0 or int(graph[3].max()) < 1 << 31):
+        return _kbest_native(lib, n_nodes, graph, n, max_paths)
+    kb = _LazyKbest(n_nodes, *graph)
     sink = kb.sink
     for k in range(n):
         if not kb.ensure(sink, k, max_paths):
-            warnings.warn(f"k-best search stopped after examining {kb.pops} paths (max_paths={max_paths}): "
-                          f"{len(kb.derivs[sink])} of {n} word sequences returned", KbestTruncated, stacklevel=2)
+            _truncated(kb.pops, max_paths, len(kb.derivs[sink]), n)
             break
         if len(kb.derivs[sink]) <= k:
             break  # fewer than n distinct sequences exist
@@ -175,6 +185,29 @@ def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, 
         arcs = kb.arcs_of(sink, k)
         out.append((total, np.array(arcs[:-1], dtype=np.int64), e - kb.n_arcs))
     return out
+
+
+def _truncated(pops: int, max_paths: int, found: int, n: int) -> None:
+    warnings.warn(f"k-best search stopped after examining {pops} paths (max_paths={max_paths}): "
+                  f"{found} of {n} word sequences returned", KbestTruncated, stacklevel=3)
+
+
+def _kbest_native(lib, n_nodes: int, graph: tuple, n: int, max_paths: int) -> list[tuple[float, np.ndarray, int]]:
+    """`kbest_paths` by `_native.c`'s twin of `_LazyKbest` (same pops in the same order)."""
+    src, _, cost, word, in_start, in_arcs = graph
+    nodes, n_arcs = n_nodes + 1, len(src)
+    total, last, length = np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    arcs = np.zeros((n, nodes), dtype=np.int64)
+    pops, truncated = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    found = lib.ssl_kbest(nodes, src, cost, word, np.ascontiguousarray(in_start, dtype=np.int64),
+                          np.ascontiguousarray(in_arcs, dtype=np.int64), n_arcs, n, max_paths, total, last, length,
+                          arcs, pops, truncated)
+    if found < 0:
+        raise MemoryError("k-best search: out of memory")
+    if truncated[0]:
+        _truncated(int(pops[0]), max_paths, int(found), n)
+    first_final = n_arcs - (int(in_start[-1]) - int(in_start[-2]))
+    return [(float(total[r]), arcs[r, : length[r] - 1].copy(), int(last[r]) - first_final) for r in range(found)]
 
 
 def nbest_dicts(expanded, w, n: int) -> list[dict]:

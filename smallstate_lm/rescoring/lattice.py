@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import SmallstateError
 from ..files import atomic_write_text, read_lines
+from .native import as_int64, library, upward
 
 
 class LatticeFormatError(SmallstateError):
@@ -51,6 +52,7 @@ class SymbolTable:
         self._id: dict[str, int] = dict(pairs)
         self._word: dict[int, str] = {i: w for w, i in pairs}
         self._mask: np.ndarray | None = None
+        self._ids: np.ndarray | None = None
         if len(self._id) == len(pairs) == len(self._word) and min(self._word, default=0) >= 0:
             return  # the common case, checked in bulk; the loop below names the first problem
         self._id, self._word = {}, {}
@@ -132,6 +134,15 @@ class SymbolTable:
 
     def has_id(self, i: int) -> bool:
         return int(i) in self._word
+
+    def has_ids(self, ids: np.ndarray) -> np.ndarray:
+        """`has_id` of each id, vectorised (a table of all ids, made once)."""
+        if self._ids is None:
+            self._ids = np.zeros(max(self._word, default=0) + 1, dtype=bool)
+            self._ids[np.fromiter(self._word, dtype=np.int64, count=len(self._word))] = True
+        ids = np.asarray(ids, dtype=np.int64)
+        inside = (ids >= 0) & (ids < self._ids.size)
+        return inside & self._ids[np.where(inside, ids, 0)]
 
     def is_word(self, i: int) -> bool:
         """False for epsilon (0) and for markers/fillers (`<s>`, `</s>`, `#0`, `<sil>`, `[NOISE]`, `!NULL`)."""
@@ -357,6 +368,10 @@ def state_levels(num_states: int, src: np.ndarray, dst: np.ndarray) -> np.ndarra
     level = np.zeros(num_states, dtype=np.int64)
     if len(src) == 0:
         return level
+    lib = library()
+    if lib is not None and upward(src, dst):  # one pass in arc order (_native.c)
+        lib.ssl_levels_up(num_states, len(src), as_int64(src), as_int64(dst), level)
+        return level
     waiting = np.bincount(dst, minlength=num_states)  # unfinished predecessors, by arc
     order = np.argsort(src, kind="stable")
     first = np.searchsorted(src[order], np.arange(num_states + 1))
@@ -383,6 +398,12 @@ def viterbi(num_nodes: int, src: np.ndarray, dst: np.ndarray, cost: np.ndarray,
     Ties go to the lowest arc index, as a scan of each node's incoming arcs in index order would."""
     dist = np.full(num_nodes, np.inf)
     back = np.full(num_nodes, -1, dtype=np.int64)
+    lib = library()
+    if lib is not None and num_nodes and upward(src, dst):  # one pass in arc order (_native.c)
+        starts = as_int64(np.zeros(1) if sources is None else sources)
+        lib.ssl_viterbi_up(num_nodes, len(src), as_int64(src), as_int64(dst), np.ascontiguousarray(cost, dtype=float),
+                           len(starts), starts, dist, back)
+        return dist, back
     if num_nodes:
         dist[0 if sources is None else sources] = 0.0
     arc_level = level[dst]

@@ -27,6 +27,7 @@ from ..vocab import EOS_ID, Vocabulary
 from ..weights import Weights, count_oov, lm_score, log_mix, oov_reference, weighted_total
 from .kbest import nbest_dicts
 from .lattice import Lattice, LatticeWarning, SymbolTable, concat_ranges, state_levels, viterbi
+from .native import as_int64, library, upward
 
 
 @dataclass
@@ -196,6 +197,10 @@ def _backward(src: np.ndarray, dst: np.ndarray, cost: np.ndarray, beta: np.ndarr
     """Best completion cost from each state (`beta` holds the final costs, inf elsewhere), relaxed a
     level at a time from the last (`level`: `state_levels`); works on many lattices laid end to end."""
     beta = np.where(np.isfinite(beta), beta, np.inf)
+    lib = library()
+    if lib is not None and upward(src, dst):  # one pass, last arc first (_native.c)
+        lib.ssl_backward_up(len(src), as_int64(src), as_int64(dst), np.ascontiguousarray(cost, dtype=float), beta)
+        return beta
     src_level = level[src]
     order = np.argsort(src_level, kind="stable")
     bounds = np.searchsorted(src_level[order], np.arange(int(level.max(initial=0)) + 2))
@@ -211,7 +216,7 @@ def _sort_groups(groups: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...]) -
     each group starts): the first row of a group is its minimum by the keys, ties to the
     earliest row, like a dict updated only on a strictly better value."""
     n = len(groups[0])
-    order = np.lexsort((np.arange(n), *reversed(keys), *reversed(groups)))
+    order = np.lexsort((*reversed(keys), *reversed(groups)))  # a stable sort: equal rows keep their order
     if n == 0:
         return order, np.zeros(0, dtype=np.int64)
     change = np.zeros(n, dtype=bool)

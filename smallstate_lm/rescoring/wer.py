@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import kaldialign
 import numpy as np
 
 
@@ -33,12 +32,16 @@ class ErrorCounts:
 
 
 def align_counts(ref: Sequence[str], hyp: Sequence[str]) -> ErrorCounts:
+    import kaldialign  # here: importing it (and its metadata lookup) costs every command ~10 ms
+
     d = kaldialign.edit_distance(list(ref), list(hyp))
     return ErrorCounts(sub=d["sub"], dels=d["del"], ins=d["ins"], ref_words=len(ref))
 
 
 def pairwise_errors(seqs: Sequence[Sequence[str]]) -> np.ndarray:
     """(n, n) word edit distances between every pair of sequences (symmetric, zero diagonal)."""
+    import kaldialign
+
     n = len(seqs)
     d = np.zeros((n, n))
     lists = [list(s) for s in seqs]

@@ -1,0 +1,54 @@
+"""The compiled twins of sequential loops (`_native.c`: the lazy k-best search, the walk over a vector
+FST's state records and their writing, and the searches over a graph numbered in topological order),
+loaded with ctypes. `library()` is None where `scripts/build_native.sh` (run by
+setup.sh) did not build `_native.so` from this very `_native.c`, or where SMALLSTATE_NO_NATIVE is set: the Python code,
+which gives the same results, runs instead."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("_native.c")
+LIBRARY = Path(__file__).with_name("_native.so")
+
+
+@lru_cache(maxsize=1)
+def library():
+    if os.environ.get("SMALLSTATE_NO_NATIVE"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+        lib.ssl_source.restype = ctypes.c_char_p
+        built_from = lib.ssl_source().decode()
+        if SOURCE.exists() and built_from != hashlib.sha1(SOURCE.read_bytes()).hexdigest():
+            return None  # built from another version of _native.c: its functions may not be ours
+    except (OSError, AttributeError):
+        return None
+    i64, f64, u8 = (np.ctypeslib.ndpointer(dtype=t, flags="C_CONTIGUOUS") for t in (np.int64, np.float64, np.uint8))
+    n = ctypes.c_int64
+    lib.ssl_kbest.restype = n
+    lib.ssl_kbest.argtypes = [n, i64, f64, i64, i64, i64, n, n, n, f64, i64, i64, i64, i64, i64]
+    lib.ssl_vector_records.restype = n
+    lib.ssl_vector_records.argtypes = [u8, n, n, n, n, n, i64, i64, i64]
+    lib.ssl_vector_write.restype = None
+    lib.ssl_levels_up.restype = lib.ssl_viterbi_up.restype = lib.ssl_backward_up.restype = None
+    lib.ssl_levels_up.argtypes = [n, n, i64, i64, i64]
+    lib.ssl_viterbi_up.argtypes = [n, n, i64, i64, f64, n, i64, f64, i64]
+    lib.ssl_backward_up.argtypes = [n, i64, i64, f64, f64]
+    lib.ssl_vector_write.argtypes = [n, n, np.ctypeslib.ndpointer(dtype=np.float32, flags="C_CONTIGUOUS"), i64, u8, u8]
+    return lib
+
+
+def upward(src: np.ndarray, dst: np.ndarray) -> bool:
+    """Every arc goes up and arcs are sorted by source: what the `*_up` functions need."""
+    return bool(np.all(src < dst)) and bool(np.all(src[1:] >= src[:-1]))
+
+
+def as_int64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
