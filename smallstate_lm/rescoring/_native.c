@@ -345,3 +345,25 @@ void ssl_backward_up(int64_t A, const int64_t *src, const int64_t *dst, const do
         if (c < beta[src[e]]) beta[src[e]] = c;
     }
 }
+
+/* The records of a well-formed vector FST from byte pos: each state's arc count, final weight (4k bytes,
+ * to `finals`) and arcs (to `arcs`, one after the other: the file less the record heads). Stops at the
+ * first record that is not whole (a negative count, arcs past the end), leaving *end past n: the caller
+ * then reads the file the slow way, for its error. Returns the number of whole records. */
+int64_t ssl_vector_read(const uint8_t *data, int64_t n, int64_t pos, int64_t todo, int64_t k, int64_t cap,
+                        int64_t *counts, uint8_t *finals, uint8_t *arcs, int64_t *end) {
+    int64_t head = 4 * k + 8, arc_size = 4 * k + 12, last = n - head, s = 0;
+    while (s < todo && s < cap && pos <= last) {
+        int64_t narcs;
+        memcpy(&narcs, data + pos + 4 * k, 8);
+        if (narcs < 0 || narcs > (n - pos - head) / arc_size) { pos = n + 1; break; }
+        counts[s] = narcs;
+        memcpy(finals + s * 4 * k, data + pos, (size_t)(4 * k));
+        memcpy(arcs, data + pos + head, (size_t)(narcs * arc_size));
+        arcs += narcs * arc_size;
+        pos += head + narcs * arc_size;
+        s++;
+    }
+    *end = pos;
+    return s;
+}

@@ -72,7 +72,6 @@ class RawFst:
     final: np.ndarray  # (S, k) float32
     state: np.ndarray  # (A,) int64, the state each arc leaves
     arcs: np.ndarray  # (A,) structured: ilabel, olabel, weight (k,), nextstate
-    at: np.ndarray  # (A,) int64, the byte offset of each arc's record (for error messages)
 
 
 class _Bytes:
@@ -225,6 +224,10 @@ def _gather(data: bytes, offsets: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _read_vector(b: _Bytes, h: FstHeader) -> RawFst:
     k = _COSTS[h.arc_type]
+    lib = library()
+    fast = _read_vector_whole(lib, b, h, k) if lib is not None else None
+    if fast is not None:
+        return fast
     starts, counts, problem = _vector_records(b, h.num_states, k)
     n = np.asarray(counts, dtype=np.int64)  # (S,) arcs of each state
     state = np.repeat(np.arange(n.size, dtype=np.int64), n)  # (A,)
@@ -237,7 +240,28 @@ def _read_vector(b: _Bytes, h: FstHeader) -> RawFst:
     if bad or problem:
         raise b.error(bad or problem)
     final = _gather(b.data, np.asarray(starts, dtype=np.int64), np.dtype([("w", "<f4", (k,))]))["w"]
-    return RawFst(h, num_states, final, state, arcs, at)
+    return RawFst(h, num_states, final, state, arcs)
+
+
+def _read_vector_whole(lib, b: _Bytes, h: FstHeader, k: int) -> RawFst | None:
+    """`_read_vector` of a well-formed file by one compiled pass that copies the arcs out (_native.c); None
+    for a file with any problem, which the Python walk then reads, for its error message."""
+    n = len(b.data)
+    todo = h.num_states if h.num_states >= 0 else n
+    cap = max(0, min(todo, (n - b.pos) // (4 * k + 8) + 1))
+    counts, end = np.zeros(cap, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    finals, arcs = np.zeros(cap * 4 * k, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+    s = lib.ssl_vector_read(np.frombuffer(b.data, dtype=np.uint8), n, b.pos, todo, k, cap, counts, finals, arcs, end)
+    if int(end[0]) != n or (h.num_states >= 0 and s != h.num_states):
+        return None
+    counts = counts[:s]
+    dtype = _arc_dtype(k)
+    arcs = arcs[: int(counts.sum()) * dtype.itemsize].view(dtype)
+    dest = arcs["nextstate"]
+    if ((arcs["ilabel"] < 0) | (arcs["olabel"] < 0) | (dest < 0) | (dest >= s)).any():
+        return None
+    state = np.repeat(np.arange(s, dtype=np.int64), counts)
+    return RawFst(h, s, finals[: s * 4 * k].view("<f4").reshape(s, k), state, arcs)
 
 
 def _read_const(b: _Bytes, h: FstHeader) -> RawFst:
@@ -270,7 +294,7 @@ def _read_const(b: _Bytes, h: FstHeader) -> RawFst:
     bad = _first_bad_arc(arcs, state, within, at, h.num_states)
     if bad:
         raise b.error(bad)
-    return RawFst(h, h.num_states, states["final"].reshape(-1, k), state, arcs, at)
+    return RawFst(h, h.num_states, states["final"].reshape(-1, k), state, arcs)
 
 
 def _first_bad_arc(arcs: np.ndarray, state: np.ndarray, within: np.ndarray, at: np.ndarray,
@@ -310,8 +334,10 @@ def read_fst_bytes(data: bytes, symbols: SymbolTable, source: str = "<bytes>", n
     S, start = fst.num_states, fst.header.start
     if S == 0 or start < 0:
         raise LatticeFormatError(f"{source}: empty lattice (no states or no start state)")
-    order = np.argsort(fst.state != start, kind="stable")  # (A,) the start state's arcs first
-    state, arcs = fst.state[order], fst.arcs[order]
+    state, arcs = fst.state, fst.arcs  # in state order: with start 0 (the usual) its arcs are first already
+    if start != 0:
+        order = np.argsort(state != start, kind="stable")  # (A,) the start state's arcs first
+        state, arcs = state[order], arcs[order]
     word = _word_ids(fst.header.output_symbols, arcs["olabel"], state, symbols, source)
     with np.errstate(invalid="ignore"):  # a garbled weight may be a signalling NaN: _check_costs names it
         cost = arcs["weight"].astype(np.float64)  # (A, k)

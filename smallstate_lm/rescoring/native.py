@@ -36,6 +36,8 @@ def library():
     lib.ssl_kbest.argtypes = [n, i64, f64, i64, i64, i64, n, n, n, f64, i64, i64, i64, i64, i64]
     lib.ssl_vector_records.restype = n
     lib.ssl_vector_records.argtypes = [u8, n, n, n, n, n, i64, i64, i64]
+    lib.ssl_vector_read.restype = n
+    lib.ssl_vector_read.argtypes = [u8, n, n, n, n, n, i64, u8, u8, i64]
     lib.ssl_vector_write.restype = None
     lib.ssl_levels_up.restype = lib.ssl_viterbi_up.restype = lib.ssl_backward_up.restype = None
     lib.ssl_levels_up.argtypes = [n, n, i64, i64, i64]
