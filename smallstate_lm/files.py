@@ -20,7 +20,8 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     `path`, when it fails it is removed, so no half-written file ever carries the name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_temp(path)
+    tmp, fd = _open_temp(path)
+    os.close(fd)  # the block writes through the path
     try:
         yield tmp
         os.replace(tmp, path)
@@ -29,21 +30,30 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def _new_temp(path: Path) -> Path:
-    """An empty file of our own beside `path`, with the mode a plain open() would give (umask applied):
+def _open_temp(path: Path) -> tuple[Path, int]:
+    """A new file beside `path`, open for writing, with the mode a plain open() would give (umask applied):
     named by process and a counter (a run writes thousands), O_EXCL against any clash."""
     while True:
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{next(_TEMP_NAMES)}.tmp")
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             continue
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_output(path) as tmp:
-        tmp.write_bytes(data)
+    """`atomic_output` for bytes in hand, written through the temp file's own descriptor (a run writes
+    thousands of lattices: one open each, not two)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp, fd = _open_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
