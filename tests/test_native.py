@@ -17,7 +17,7 @@ from smallstate_lm.rescoring import native
 from smallstate_lm.rescoring.fst_binary import read_fst_bytes, write_fst_bytes
 from smallstate_lm.rescoring.kbest import kbest_paths
 from smallstate_lm.rescoring.lattice import LatticeFormatError, SymbolTable, state_levels, viterbi
-from smallstate_lm.rescoring.lattice_expand import _backward
+from smallstate_lm.rescoring.lattice_expand import _backward, _merge_keys
 from smallstate_lm.rescoring.lattice_io import read_lattice
 
 
@@ -144,6 +144,22 @@ def test_levels_viterbi_and_completions_are_the_python_ones(monkeypatch):
         (compiled, _), (python, _) = both(monkeypatch, _searches, n, src, dst, cost, final)
         for a, b in zip(compiled, python):
             np.testing.assert_array_equal(a, b)
+
+
+def _merged(lat_s, key, cost):
+    member, winner, first = _merge_keys(lat_s, key, cost)
+    return winner[member].tolist(), first[member].tolist()  # per path, whatever the numbering of the merges
+
+
+def test_merging_paths_by_key_is_the_python_merge(monkeypatch):
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(0, 400))
+        lat_s = rng.integers(0, 30, n)
+        key = rng.integers(0, 6, n) << 41 | rng.integers(0, 3, n)  # packed keys, high bits in use
+        cost = rng.integers(0, 4, n).astype(float)  # ties
+        (compiled, _), (python, _) = both(monkeypatch, _merged, lat_s, key, cost)
+        assert compiled == python
 
 
 def _searches(n, src, dst, cost, final):

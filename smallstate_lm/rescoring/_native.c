@@ -367,3 +367,38 @@ int64_t ssl_vector_read(const uint8_t *data, int64_t n, int64_t pos, int64_t tod
     *end = pos;
     return s;
 }
+
+/* ---- merging paths by (lattice state, history key) ------------------------------------------------ */
+
+/* For rows i = 0..n-1: group[i] = the number of the distinct (a[i], b[i]) pair, numbered in order of first
+ * appearance; winner[g] = the row of group g with the lowest cost (the first of equal costs), first[g] =
+ * its first row. Returns the number of groups, -1 when out of memory. */
+int64_t ssl_group_min(int64_t n, const int64_t *a, const int64_t *b, const double *cost, int64_t *group,
+                      int64_t *winner, int64_t *first) {
+    int64_t cap = 16, G = 0;
+    while (cap < 2 * n) cap *= 2;
+    int64_t *slot = (int64_t *)malloc((size_t)cap * sizeof(int64_t));  /* group number + 1, 0: empty */
+    if (!slot) return -1;
+    memset(slot, 0, (size_t)cap * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t h = mix((uint64_t)a[i] * 0x9e3779b97f4a7c15ULL ^ mix((uint64_t)b[i])) & (uint64_t)(cap - 1);
+        int64_t g;
+        for (;;) {
+            if (slot[h] == 0) {
+                g = G++;
+                slot[h] = g + 1;
+                winner[g] = first[g] = i;
+                break;
+            }
+            g = slot[h] - 1;
+            if (a[first[g]] == a[i] && b[first[g]] == b[i]) {
+                if (cost[i] < cost[winner[g]]) winner[g] = i;
+                break;
+            }
+            h = (h + 1) & (uint64_t)(cap - 1);
+        }
+        group[i] = g;
+    }
+    free(slot);
+    return G;
+}

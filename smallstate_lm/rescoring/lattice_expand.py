@@ -227,6 +227,25 @@ def _sort_groups(groups: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...]) -
     return order, np.flatnonzero(change)
 
 
+def _merge_keys(lat_s: np.ndarray, key: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Paths merged by (lattice state, key): (each path's merged state, each merged state's best path (the
+    lowest cost, the first of equal ones), its first path). Merged states may come in any order: what
+    follows orders them by their own values."""
+    lib = library()
+    if lib is not None:  # one pass with a hash table (_native.c)
+        n = len(key)
+        member, winner, first = (np.empty(n, dtype=np.int64) for _ in range(3))
+        groups = lib.ssl_group_min(n, as_int64(lat_s), as_int64(key), np.ascontiguousarray(cost, dtype=float),
+                                   member, winner, first)
+        if groups < 0:
+            raise MemoryError("merging paths: out of memory")
+        return member, winner[:groups], first[:groups]
+    order, starts = _sort_groups((lat_s, key), (cost,))
+    member = np.empty(len(order), dtype=np.int64)
+    member[order] = _segments(starts, len(order))
+    return member, order[starts], np.minimum.reduceat(order, starts)
+
+
 def _segments(starts: np.ndarray, n: int) -> np.ndarray:
     """Group number of each of n sorted rows, given where groups start."""
     return np.repeat(np.arange(len(starts)), np.diff(np.append(starts, n)))
@@ -571,11 +590,7 @@ class _Frontier:
         if got is None or len(got[0]) == 0:
             return {}
         owner, lat_s, key, cost, obj, row, ng, arrival = got
-        order, starts = _sort_groups((lat_s, key), (cost,))
-        winner = order[starts]
-        first_arrival = np.minimum.reduceat(order, starts)  # where the state's position was taken
-        member = np.empty(len(order), dtype=np.int64)  # arrival -> its merged state
-        member[order] = _segments(starts, len(order))
+        member, winner, first_arrival = _merge_keys(lat_s, key, cost)
         m_lat, m_cost, m_owner = lat_s[winner], cost[winner], owner[winner]
         rank_order, state_starts = _sort_groups((m_lat,), (m_cost, first_arrival))
         rank = np.arange(len(rank_order)) - state_starts[_segments(state_starts, len(rank_order))]
@@ -595,7 +610,7 @@ class _Frontier:
             self.harder |= over
             self.cap[over] = np.maximum(1, self.cap[over] // 4)
             self.beams[over] /= 2
-        node_of = np.full(len(starts), -1, dtype=np.int64)
+        node_of = np.full(len(winner), -1, dtype=np.int64)
         node_of[kept] = idx
         self.run.set_nodes(arrival, node_of[member])
         w_kept = winner[kept]

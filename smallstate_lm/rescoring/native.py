@@ -1,5 +1,6 @@
 """The compiled twins of sequential loops (`_native.c`: the lazy k-best search, the walk over a vector
-FST's state records and their writing, and the searches over a graph numbered in topological order),
+FST's state records and their writing, the searches over a graph numbered in topological order, and the
+merging of paths by key),
 loaded with ctypes. `library()` is None where `scripts/build_native.sh` (run by
 setup.sh) did not build `_native.so` from this very `_native.c`, or where SMALLSTATE_NO_NATIVE is set: the Python code,
 which gives the same results, runs instead."""
@@ -38,6 +39,8 @@ def library():
     lib.ssl_vector_records.argtypes = [u8, n, n, n, n, n, i64, i64, i64]
     lib.ssl_vector_read.restype = n
     lib.ssl_vector_read.argtypes = [u8, n, n, n, n, n, i64, u8, u8, i64]
+    lib.ssl_group_min.restype = n
+    lib.ssl_group_min.argtypes = [n, i64, i64, f64, i64, i64, i64]
     lib.ssl_vector_write.restype = None
     lib.ssl_levels_up.restype = lib.ssl_viterbi_up.restype = lib.ssl_backward_up.restype = None
     lib.ssl_levels_up.argtypes = [n, n, i64, i64, i64]
