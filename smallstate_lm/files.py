@@ -56,6 +56,41 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+class BackgroundWriter:
+    """`atomic_write_bytes` on one background thread, so that the file system's time (create, write,
+    rename: the GIL is released) overlaps the caller's computing. A failed write is raised by the next
+    `write` or by `close`, which waits for every write."""
+
+    def __init__(self):
+        self._pool = None
+        self._pending: list = []
+
+    def write(self, path: str | os.PathLike, data: bytes) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smallstate-write")
+        self._check(wait=False)
+        self._pending.append(self._pool.submit(atomic_write_bytes, path, data))
+
+    def _check(self, wait: bool) -> None:
+        still = []
+        for f in self._pending:
+            if wait or f.done():
+                f.result()  # raises the write's error
+            else:
+                still.append(f)
+        self._pending = still
+
+    def close(self) -> None:
+        try:
+            self._check(wait=True)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_output(path) as tmp:
         tmp.write_text(text, encoding="utf-8")

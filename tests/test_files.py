@@ -31,3 +31,19 @@ def test_atomic_writes_replace_whole_files_and_leave_no_temp_files(tmp_path):
         assert target.read_bytes() == data
     atomic_write_bytes(tmp_path / "sub" / "busy.fst", b"x")
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["busy.fst", "lat.fst"]
+
+
+def test_background_writes_land_whole_and_a_failed_one_is_raised(tmp_path):
+    from smallstate_lm.files import BackgroundWriter
+
+    w = BackgroundWriter()
+    for i in range(50):
+        w.write(tmp_path / "out" / f"{i}.fst", bytes([i]) * 1000)
+    w.close()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"{i}.fst" for i in range(50))
+    assert all((tmp_path / "out" / f"{i}.fst").read_bytes() == bytes([i]) * 1000 for i in range(50))
+    (tmp_path / "blocker").write_text("a file where a directory should be")
+    w = BackgroundWriter()
+    w.write(tmp_path / "blocker" / "x.fst", b"x")
+    with pytest.raises(OSError):
+        w.close()

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ..errors import ConfigError, SmallstateError
-from ..files import atomic_write_bytes, atomic_write_text
+from ..files import BackgroundWriter, atomic_write_text
 from ..weights import Weights
+from .fst_binary import write_fst_bytes
 from .lattice import Lattice, LatticeFormatError, SymbolTable
 from .lattice_expand import ExpandedLattice, ExpandStats, LatticeRescorer
-from .lattice_io import lattice_format, read_lattice, utterance_id, write_fst
+from .lattice_io import lattice_format, read_lattice, utterance_id
 from .nbest_io import Hypothesis, Utterance, write_nbest_jsonl, write_text
 from .wer import write_wer_report
 
@@ -177,8 +178,6 @@ class LatticeResult:
         in OpenFST bytes (the worker does the encoding, the writer only writes), others `without_symbols`."""
         if self.lattice is None or self.archive is not None:
             return self.without_symbols()
-        from .fst_binary import write_fst_bytes
-
         return dataclasses.replace(self, lattice=None, fst=write_fst_bytes(self.lattice, "lattice4"))
 
 
@@ -248,6 +247,7 @@ class LatticeOutputs:
         self.next_index = 0
         self.archive_stack = contextlib.ExitStack()
         self.bar = _progress_bar(len(self.paths) or None) if progress else _NoBar()
+        self.files = BackgroundWriter()  # single lattice files, written while the next ones are rescored
 
     def add(self, r: LatticeResult, index: int | None = None) -> None:
         self.bar.update(1)
@@ -281,12 +281,13 @@ class LatticeOutputs:
                 for k, h in enumerate(r.nbest)]))
         entry = None
         if self.write_lattices and r.fst is not None:
-            atomic_write_bytes(self.out / "lattices" / f"{r.name}.lat.fst", r.fst)
+            self.files.write(self.out / "lattices" / f"{r.name}.lat.fst", r.fst)
         elif self.write_lattices and r.lattice is not None:
             if r.archive is not None:
                 entry = (r.archive, r.kind, r.name, r.lattice)
             else:
-                write_fst(self.out / "lattices" / f"{r.name}.lat.fst", r.lattice)
+                path = self.out / "lattices" / f"{r.name}.lat.fst"
+                self.files.write(path, write_fst_bytes(r.lattice, "lattice4"))
         self._release(index, entry)
 
     def _release(self, index: int | None, entry) -> None:
@@ -325,6 +326,11 @@ class LatticeOutputs:
         """Complete the archives; write nbest.jsonl, best.txt, best.ctm and wer.txt, or nothing when no
         lattice was rescored; `lm_calls` is the number of batched LM calls the run made (for the summary line)."""
         self.bar.close()
+        try:
+            self.files.close()  # every lattice file in place (or its error raised) before the run's summary files
+        except BaseException:
+            self.abort()
+            raise
         for i in sorted(self.held):  # inputs that never came back (a stopped run): write what did
             self.next_index = i
             self._release(i, self.held.pop(i))
@@ -339,6 +345,8 @@ class LatticeOutputs:
     def abort(self) -> None:
         """Drop the archives being written (nothing half-written is left at their names)."""
         self.bar.close()
+        with contextlib.suppress(Exception):  # the error that aborts the run is the one to report
+            self.files.close()
         self.archive_stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
     def _write(self, summary: LatticeRunSummary) -> None:
