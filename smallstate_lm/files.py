@@ -99,9 +99,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def read_lines(path: str | os.PathLike, error: type[Exception], what: str = "file") -> list[str]:
     """The lines of a UTF-8 text file; a missing or undecodable file raises `error`
     with the file name."""
+    return read_text(path, error, what).splitlines()
+
+
+def read_text(path: str | os.PathLike, error: type[Exception], what: str = "file") -> str:
+    """A UTF-8 text file's text; a missing or undecodable file raises `error` with the file name."""
     path = Path(path)
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error(f"{path}: {what} not found") from None
     except IsADirectoryError:

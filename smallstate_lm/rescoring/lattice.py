@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SmallstateError
-from ..files import atomic_write_text, read_lines
+from ..files import atomic_write_text, read_text
 from .native import as_int64, library, upward
 
 
@@ -70,13 +70,17 @@ class SymbolTable:
     def read(cls, path: str | os.PathLike) -> SymbolTable:
         """Read `word id` lines (spaces or tabs); errors name `file:line`."""
         path = Path(path)
-        lines = read_lines(path, LatticeFormatError, "symbol table")
-        tokens = "\n".join(lines).split()
+        text = read_text(path, LatticeFormatError, "symbol table")
+        tokens = text.split()
+        n_lines = text.count("\n") + (not text.endswith("\n"))
         try:  # the common case in bulk (a vocabulary is tens of thousands of lines); the loop names problems
-            if tokens and len(tokens) == 2 * (len(lines) - lines.count("")):  # two fields on every line
-                return cls(list(zip(tokens[0::2], map(int, tokens[1::2]))), str(path))
-        except (ValueError, LatticeFormatError):
+            if tokens and len(tokens) == 2 * n_lines:  # two fields on every line, no blank line
+                table = cls._from_columns(tokens[0::2], list(map(int, tokens[1::2])))
+                if table is not None:
+                    return table
+        except ValueError:
             pass
+        lines = text.splitlines()
         pairs = []
         seen: dict[str, int] = {}
         seen_id: dict[int, int] = {}
@@ -102,6 +106,17 @@ class SymbolTable:
         if not pairs:
             raise LatticeFormatError(f"{path}: symbol table is empty")
         return cls(pairs, str(path))
+
+    @classmethod
+    def _from_columns(cls, words: list[str], ids: list[int]) -> SymbolTable | None:
+        """The table of words[i] <-> ids[i], built without pairs; None if a word or an id repeats or an id is
+        negative (the caller then finds and names the problem)."""
+        table = cls.__new__(cls)
+        table._id, table._word = dict(zip(words, ids)), dict(zip(ids, words))
+        table._mask = table._ids = None
+        if len(table._id) != len(words) or len(table._word) != len(ids) or min(ids, default=0) < 0:
+            return None
+        return table
 
     @classmethod
     def from_words(cls, words: list[str]) -> SymbolTable:
