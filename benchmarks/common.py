@@ -21,11 +21,17 @@ HEADER = ("# Benchmarks\n\nEach section is written by the benchmark named in it;
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
-    try:
+    try:  # a VM may name only the vendor line ("AMD EPYC"): family, model and the matmul extensions tell more
+        info: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor is enough
+            info.setdefault(key.strip(), value.strip())
+        flags = set(info.get("flags", "").split())
+        ext = ("AMX" if "amx_tile" in flags else "no AMX") + (", AVX-512" if "avx512f" in flags else ", no AVX-512")
+        cpu = (f"{info.get('model name', cpu)} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}; "
+               f"{ext})")
     except OSError:
         pass
     dev = f"CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
