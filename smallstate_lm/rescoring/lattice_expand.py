@@ -865,24 +865,9 @@ class LatticeRescorer:
         run = _Run()
         active: list[_Expansion] = []
         frontier: _Frontier | None = None
-        exhausted = False
         step = 0
         while True:
-            joined = []
-            while not exhausted and len(active) + len(joined) < batch:
-                try:
-                    i, item = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                if should_stop is not None and should_stop(i):
-                    continue
-                try:
-                    joined.append(_Expansion(self, item() if callable(item) else item, i))
-                except SmallstateError as e:
-                    if on_error is None:
-                        raise
-                    on_error(i, e)
+            joined = self._take(source, batch - len(active), on_error, should_stop)
             if joined:
                 self._join(joined, run, step)
                 if frontier is not None:
@@ -926,6 +911,22 @@ class LatticeRescorer:
                         del objs[k]
             if pause:
                 yield None
+
+    def _take(self, source, n: int, on_error, should_stop) -> list[_Expansion]:
+        """Up to n lattices from `source` (an iterator of (index, lattice or callable)), those that are not
+        stopped and prepare without error."""
+        out: list[_Expansion] = []
+        for i, item in source if n > 0 else ():
+            if should_stop is None or not should_stop(i):
+                try:
+                    out.append(_Expansion(self, item() if callable(item) else item, i))
+                except SmallstateError as e:
+                    if on_error is None:
+                        raise
+                    on_error(i, e)
+            if len(out) == n:
+                break
+        return out
 
     def _join(self, xs: list[_Expansion], run: _Run, step: int) -> None:
         """Start lattices at `step`: their arrays, and a path at each start state."""
