@@ -68,3 +68,21 @@ def test_word_flags_look_at_the_ids_asked_and_match_is_word():
     want = [table.has_id(i) and table.is_word(i) for i in ids.tolist()]
     assert got.tolist() == want
     assert table.word_mask().tolist() == [table.has_id(i) and table.is_word(i) for i in range(11)]
+
+
+def test_the_ngram_answer_table_finds_every_key_given_and_stays_in_few_runs():
+    from smallstate_lm.rescoring.lattice_expand import _SortedRuns
+
+    rng = np.random.default_rng(0)
+    table, ref = _SortedRuns(), {}
+    for _ in range(1500):  # levels of a long run: each asks for some pairs, some of them new
+        asked = np.unique(rng.integers(0, 40_000, int(rng.integers(1, 300))))
+        hit, lp, nxt = table.find(asked)
+        assert hit.tolist() == [k in ref for k in asked.tolist()]
+        assert all(ref[k] == (a, b) for k, a, b in zip(asked[hit].tolist(), lp[hit].tolist(), nxt[hit].tolist()))
+        new = asked[~hit]
+        a, b = rng.random(len(new)), rng.integers(0, 99, len(new))
+        table.add(new, a, b)
+        ref.update(zip(new.tolist(), zip(a.tolist(), b.tolist())))
+    sizes = [len(r[0]) for r in table.runs]
+    assert sum(sizes) == len(ref) and all(x > 2 * y for x, y in zip(sizes, sizes[1:]))

@@ -716,6 +716,37 @@ class _Frontier:
             fin_float=np.stack([self.final_acoustic[fl], self.final_graph[fl], nn[fs], ng[fs]]))
 
 
+class _SortedRuns:
+    """int64 keys -> (float, int64), in sorted runs each more than twice the size of the next: a lookup is
+    one searchsorted per run (log2 n of them at most), and each key is merged O(log n) times, however long a
+    run of lattices grows the table (inserting into one sorted array would copy all of it every level)."""
+
+    def __init__(self):
+        self.runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(found, value, value) for sorted keys; 0.0 and -1 where not found."""
+        hit = np.zeros(len(keys), dtype=bool)
+        a, b = np.zeros(len(keys)), np.full(len(keys), -1, dtype=np.int64)
+        for k, va, vb in self.runs:
+            pos = np.minimum(np.searchsorted(k, keys), len(k) - 1)
+            here = (k[pos] == keys) & ~hit
+            a[here], b[here] = va[pos[here]], vb[pos[here]]
+            hit |= here
+        return hit, a, b
+
+    def add(self, keys: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        """New keys (sorted, none present yet) and their values."""
+        if len(keys) == 0:
+            return
+        self.runs.append((keys, a, b))
+        # each run more than twice the next: at most log2(n) runs
+        while len(self.runs) > 1 and len(self.runs[-2][0]) <= 2 * len(self.runs[-1][0]):
+            merged = [np.concatenate([x, y]) for x, y in zip(self.runs.pop(-2), self.runs.pop())]
+            order = np.argsort(merged[0], kind="stable")
+            self.runs.append(tuple(m[order] for m in merged))
+
+
 _KEY_BITS = 21  # bits per word of a packed history key (word ids + 1, 0 = no word): three words in an int64
 
 
@@ -749,8 +780,7 @@ class LatticeRescorer:
         self._child: dict[tuple[int, int], int] = {}  # (key id, word) -> key id after the word
         self._ng_states: list = []
         self._ng_id: dict = {}
-        self._ng_keys = np.zeros(0, dtype=np.int64)  # (n-gram state id, word id + 1; 0 </s>) packed, sorted
-        self._ng_lp, self._ng_next = np.zeros(0), np.zeros(0, dtype=np.int64)  # ln p, state id after it
+        self._ng_cache = _SortedRuns()  # (n-gram state id, word id + 1; 0 </s>) packed -> (ln p, state id after)
         self._words: list[str] = []
         self._word_ids: dict[str, int] = {}
 
@@ -806,18 +836,14 @@ class LatticeRescorer:
 
     def ngram_steps(self, states: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ln p of each step's word (a `word_id`), or of </s> where it is -1; the n-gram state id after it).
-        Answers are kept for the rescorer's life in arrays sorted by (state, word), so a level looks up
-        the pairs seen before at once and asks KenLM only for new ones."""
+        Answers are kept for the rescorer's life (`_SortedRuns`), so a level looks up the pairs seen before
+        at once and asks KenLM only for new ones."""
         n = len(states)
         if self.ngram is None:
             return np.zeros(n), np.full(n, -1, dtype=np.int64)
-        pair = (states << _KEY_BITS) | (words + 1)  # word ids are below 2**_KEY_BITS - 1 (child_keys checks)
+        pair = (states << _KEY_BITS) | (words + 1)  # word ids are below 2**_KEY_BITS - 1 (word_id checks)
         uniq, inverse = np.unique(pair, return_inverse=True)
-        keys = self._ng_keys
-        pos = np.minimum(np.searchsorted(keys, uniq), max(len(keys) - 1, 0))
-        hit = keys[pos] == uniq if len(keys) else np.zeros(len(uniq), dtype=bool)
-        lp = np.where(hit, self._ng_lp[pos] if len(keys) else 0.0, 0.0)
-        nxt = np.where(hit, self._ng_next[pos] if len(keys) else -1, -1)
+        hit, lp, nxt = self._ng_cache.find(uniq)
         new = np.flatnonzero(~hit)
         if len(new):
             new_keys = uniq[new]
@@ -836,9 +862,7 @@ class LatticeRescorer:
                         ng_states.append(after)
                     got_next[k] = i
             lp[new], nxt[new] = got_lp, got_next
-            at = np.searchsorted(keys, new_keys)
-            self._ng_keys = np.insert(keys, at, new_keys)
-            self._ng_lp, self._ng_next = np.insert(self._ng_lp, at, got_lp), np.insert(self._ng_next, at, got_next)
+            self._ng_cache.add(new_keys, got_lp, got_next)
         inverse = inverse.reshape(-1)
         return lp[inverse], nxt[inverse]
 
