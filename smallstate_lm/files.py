@@ -58,25 +58,31 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 class BackgroundWriter:
     """`atomic_write_bytes` on one background thread, so that the file system's time (create, write,
-    rename: the GIL is released) overlaps the caller's computing. A failed write is raised by the next
-    `write` or by `close`, which waits for every write."""
+    rename: the GIL is released) overlaps the caller's computing. At most `max_pending` writes wait (the
+    caller then waits for the oldest: a slow disk holds back the run, not its memory). A failed write is
+    raised by the next `write` or by `close`, which waits for every write; `cancel` drops the writes not
+    begun (each file is written whole or not at all either way)."""
 
-    def __init__(self):
+    def __init__(self, max_pending: int = 32):
         self._pool = None
         self._pending: list = []
+        self.max_pending = max_pending
 
     def write(self, path: str | os.PathLike, data: bytes) -> None:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smallstate-write")
-        self._check(wait=False)
+        self._check(wait=len(self._pending) >= self.max_pending)
         self._pending.append(self._pool.submit(atomic_write_bytes, path, data))
 
     def _check(self, wait: bool) -> None:
+        """Raise a finished write's error; with `wait`, wait for the oldest write first."""
+        if wait and self._pending:
+            self._pending[0].result()
         still = []
         for f in self._pending:
-            if wait or f.done():
+            if f.done():
                 f.result()  # raises the write's error
             else:
                 still.append(f)
@@ -84,11 +90,16 @@ class BackgroundWriter:
 
     def close(self) -> None:
         try:
-            self._check(wait=True)
+            for f in self._pending:
+                f.result()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
+            self.cancel()
+
+    def cancel(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._pending = []
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

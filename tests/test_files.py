@@ -36,9 +36,10 @@ def test_atomic_writes_replace_whole_files_and_leave_no_temp_files(tmp_path):
 def test_background_writes_land_whole_and_a_failed_one_is_raised(tmp_path):
     from smallstate_lm.files import BackgroundWriter
 
-    w = BackgroundWriter()
+    w = BackgroundWriter(max_pending=3)  # the caller waits for the oldest beyond 3
     for i in range(50):
         w.write(tmp_path / "out" / f"{i}.fst", bytes([i]) * 1000)
+        assert len(w._pending) <= 3
     w.close()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"{i}.fst" for i in range(50))
     assert all((tmp_path / "out" / f"{i}.fst").read_bytes() == bytes([i]) * 1000 for i in range(50))
@@ -47,3 +48,15 @@ def test_background_writes_land_whole_and_a_failed_one_is_raised(tmp_path):
     w.write(tmp_path / "blocker" / "x.fst", b"x")
     with pytest.raises(OSError):
         w.close()
+
+
+def test_cancelled_background_writes_leave_whole_files_or_none(tmp_path):
+    from smallstate_lm.files import BackgroundWriter
+
+    w = BackgroundWriter()
+    for i in range(200):
+        w.write(tmp_path / f"{i}.fst", bytes([i % 256]) * 50_000)
+    w.cancel()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert all(not n.startswith(".") for n in names), names  # no temp file left behind
+    assert all((tmp_path / n).read_bytes() == bytes([int(n.split(".")[0]) % 256]) * 50_000 for n in names)

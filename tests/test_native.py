@@ -164,8 +164,13 @@ def test_merging_paths_by_key_is_the_python_merge(monkeypatch):
 
 def _searches(n, src, dst, cost, final):
     level = state_levels(n, src, dst)
-    dist, back = viterbi(n, src, dst, cost, level, sources=np.array([0]))
+    dist, back = viterbi(n, src, dst, cost, level, sources=np.array([0, n // 2]))  # a source with in-arcs too
     return level, dist, back, _backward(src, dst, cost, final, level)
+
+
+def test_bad_graphs_take_the_python_path_and_its_error(monkeypatch):
+    with pytest.raises(IndexError):  # an arc to a node that does not exist: never handed to the C loop
+        state_levels(2, np.array([0, 1]), np.array([1, 5]))
 
 
 def test_a_library_built_from_another_source_is_not_used(tmp_path):

@@ -50,7 +50,10 @@ static int map_init(Map *m, int64_t cap) {
     m->keys = (uint64_t *)calloc((size_t)m->cap, sizeof(uint64_t));
     m->vals = (int64_t *)calloc((size_t)m->cap, sizeof(int64_t));
     m->used = (uint8_t *)calloc((size_t)m->cap, 1);
-    return (m->keys && m->vals && m->used) ? 0 : -1;
+    if (m->keys && m->vals && m->used) return 0;
+    free(m->keys); free(m->vals); free(m->used);
+    m->keys = NULL; m->vals = NULL; m->used = NULL;
+    return -1;
 }
 
 static void map_free(Map *m) { free(m->keys); free(m->vals); free(m->used); }
@@ -216,12 +219,14 @@ static int ensure(Kbest *kb, int64_t v0, int64_t k0, int64_t max_pops) {
 
 /* kbest_paths on a DAG whose node n_nodes - 1 is the sink and whose arcs n_arcs - n_finals.. are the
  * finals: fills, for each of the (at most n) sequences found, its total, its last arc, the number of
- * its arcs and the arcs themselves (row r of out_arcs, n_nodes per row). Returns how many were found,
- * -1 when out of memory; *truncated says whether the pop cap stopped the search. Node and word ids,
- * prefix ids and ranks must fit in 32 bits (the caller checks nodes and words). */
+ * its arcs, and the arcs of all of them one path after the other in out_arcs (room for `room`).
+ * Returns how many were found; -1 when out of memory; -2 when out_arcs is too small, with the room
+ * needed in *out_pops (call again with that much). *truncated says whether the pop cap stopped the
+ * search. Node and word ids and max_pops (which bounds the prefix ids) must be below 2**31: the caller
+ * checks. */
 int64_t ssl_kbest(int64_t n_nodes, const int64_t *src, const double *cost, const int64_t *word,
                   const int64_t *in_start, const int64_t *in_arcs, int64_t n_arcs, int64_t n, int64_t max_pops,
-                  double *out_total, int64_t *out_last, int64_t *out_len, int64_t *out_arcs,
+                  double *out_total, int64_t *out_last, int64_t *out_len, int64_t *out_arcs, int64_t room,
                   int64_t *out_pops, int64_t *truncated) {
     Kbest kb;
     memset(&kb, 0, sizeof kb);
@@ -260,15 +265,19 @@ int64_t ssl_kbest(int64_t n_nodes, const int64_t *src, const double *cost, const
         if (kb.nodes[sink].nd <= k) break;
     }
     found = kb.nodes[sink].nd < n ? kb.nodes[sink].nd : n;
-    for (int64_t r = 0; r < found; r++) {  /* arcs_of, written from the end of the row backwards */
+    int64_t total_len = 0;
+    for (int64_t r = 0; r < found; r++) {  /* arcs_of: the lengths first, to check the room */
         int64_t len = 0, v = sink, k = r;
         while (v != 0) { Deriv *d = &kb.nodes[v].d[k]; len++; k = d->j; v = src[d->e]; }
-        int64_t *row = out_arcs + r * n_nodes, i = len;
-        v = sink; k = r;
+        out_len[r] = len;
+        total_len += len;
+    }
+    if (total_len > room) { *out_pops = total_len; found = -2; goto done; }
+    for (int64_t r = 0, at = 0; r < found; at += out_len[r], r++) {  /* each path written from its end */
+        int64_t *row = out_arcs + at, i = out_len[r], v = sink, k = r;
         while (v != 0) { Deriv *d = &kb.nodes[v].d[k]; row[--i] = d->e; k = d->j; v = src[d->e]; }
         out_total[r] = kb.nodes[sink].d[r].c;
         out_last[r] = kb.nodes[sink].d[r].e;
-        out_len[r] = len;
     }
     *out_pops = kb.pops;
 done:
@@ -333,7 +342,7 @@ void ssl_viterbi_up(int64_t S, int64_t A, const int64_t *src, const int64_t *dst
     for (int64_t e = 0; e < A; e++) {
         int64_t d = dst[e];
         double cand = dist[src[e]] + cost[e];
-        if (back[d] < 0 || cand < dist[d] || (cand == dist[d] && e < back[d])) { dist[d] = cand; back[d] = e; }
+        if (cand < dist[d] || (cand == dist[d] && (back[d] < 0 || e < back[d]))) { dist[d] = cand; back[d] = e; }
     }
 }
 

@@ -170,7 +170,8 @@ def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, 
         return []
     graph = _graph(n_nodes, src, dst, cost, final_node, final_cost, word_key)
     lib = library()
-    if lib is not None and n_nodes < 1 << 31 and (len(graph[3]) == 0 or int(graph[3].max()) < 1 << 31):
+    if (lib is not None and n_nodes < 1 << 31 and max_paths < 1 << 31
+            and (len(graph[3]) == 0 or int(graph[3].max()) < 1 << 31)):
         return _kbest_native(lib, n_nodes, graph, n, max_paths)
     kb = _LazyKbest(n_nodes, *graph)
     sink = kb.sink
@@ -197,17 +198,24 @@ def _kbest_native(lib, n_nodes: int, graph: tuple, n: int, max_paths: int) -> li
     src, _, cost, word, in_start, in_arcs = graph
     nodes, n_arcs = n_nodes + 1, len(src)
     total, last, length = np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    arcs = np.zeros((n, nodes), dtype=np.int64)
     pops, truncated = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    found = lib.ssl_kbest(nodes, src, cost, word, np.ascontiguousarray(in_start, dtype=np.int64),
-                          np.ascontiguousarray(in_arcs, dtype=np.int64), n_arcs, n, max_paths, total, last, length,
-                          arcs, pops, truncated)
+    in_start, in_arcs = np.ascontiguousarray(in_start, dtype=np.int64), np.ascontiguousarray(in_arcs, dtype=np.int64)
+    room = min(n * nodes, max(4096, 64 * n))  # the arcs of all n paths, laid end to end: lattices are shallow
+    while True:
+        arcs = np.zeros(room, dtype=np.int64)
+        found = lib.ssl_kbest(nodes, src, cost, word, in_start, in_arcs, n_arcs, n, int(max_paths), total, last,
+                              length, arcs, room, pops, truncated)
+        if found != -2:
+            break
+        room = int(pops[0])  # what the paths found need: the search runs again (deterministic, rare)
     if found < 0:
         raise MemoryError("k-best search: out of memory")
     if truncated[0]:
         _truncated(int(pops[0]), max_paths, int(found), n)
     first_final = n_arcs - (int(in_start[-1]) - int(in_start[-2]))
-    return [(float(total[r]), arcs[r, : length[r] - 1].copy(), int(last[r]) - first_final) for r in range(found)]
+    ends = np.cumsum(length[:found])
+    return [(float(total[r]), arcs[ends[r] - length[r]: ends[r] - 1].copy(), int(last[r]) - first_final)
+            for r in range(found)]
 
 
 def nbest_dicts(expanded, w, n: int) -> list[dict]:

@@ -384,7 +384,7 @@ def state_levels(num_states: int, src: np.ndarray, dst: np.ndarray) -> np.ndarra
     if len(src) == 0:
         return level
     lib = library()
-    if lib is not None and upward(src, dst):  # one pass in arc order (_native.c)
+    if lib is not None and upward(src, dst, num_states):  # one pass in arc order (_native.c)
         lib.ssl_levels_up(num_states, len(src), as_int64(src), as_int64(dst), level)
         return level
     waiting = np.bincount(dst, minlength=num_states)  # unfinished predecessors, by arc
@@ -414,8 +414,9 @@ def viterbi(num_nodes: int, src: np.ndarray, dst: np.ndarray, cost: np.ndarray,
     dist = np.full(num_nodes, np.inf)
     back = np.full(num_nodes, -1, dtype=np.int64)
     lib = library()
-    if lib is not None and num_nodes and upward(src, dst):  # one pass in arc order (_native.c)
-        starts = as_int64(np.zeros(1) if sources is None else sources)
+    starts = as_int64(np.zeros(1) if sources is None else np.atleast_1d(sources))
+    if (lib is not None and num_nodes and upward(src, dst, num_nodes, cost)
+            and bool(np.all((starts >= 0) & (starts < num_nodes)))):  # one pass in arc order (_native.c)
         lib.ssl_viterbi_up(num_nodes, len(src), as_int64(src), as_int64(dst), np.ascontiguousarray(cost, dtype=float),
                            len(starts), starts, dist, back)
         return dist, back

@@ -198,7 +198,7 @@ def _backward(src: np.ndarray, dst: np.ndarray, cost: np.ndarray, beta: np.ndarr
     level at a time from the last (`level`: `state_levels`); works on many lattices laid end to end."""
     beta = np.where(np.isfinite(beta), beta, np.inf)
     lib = library()
-    if lib is not None and upward(src, dst):  # one pass, last arc first (_native.c)
+    if lib is not None and upward(src, dst, len(beta), cost):  # one pass, last arc first (_native.c)
         lib.ssl_backward_up(len(src), as_int64(src), as_int64(dst), np.ascontiguousarray(cost, dtype=float), beta)
         return beta
     src_level = level[src]
@@ -891,9 +891,13 @@ class LatticeRescorer:
         frontier: _Frontier | None = None
         step = 0
         while True:
-            joined = self._take(source, batch - len(active), on_error, should_stop)
+            joined: list[_Expansion] = []
+            while len(active) + len(joined) < batch:
+                taken = self._take(source, batch - len(active) - len(joined), on_error, should_stop)
+                if not taken:
+                    break
+                joined += self._join(taken, run, step, on_error)
             if joined:
-                self._join(joined, run, step)
                 if frontier is not None:
                     frontier.sync()
                 active += joined
@@ -952,9 +956,19 @@ class LatticeRescorer:
                 break
         return out
 
-    def _join(self, xs: list[_Expansion], run: _Run, step: int) -> None:
-        """Start lattices at `step`: their arrays, and a path at each start state."""
-        _prepare_group(self, xs)
+    def _join(self, xs: list[_Expansion], run: _Run, step: int, on_error) -> list[_Expansion]:
+        """Start lattices at `step`: their arrays, and a path at each start state. A lattice whose arrays
+        cannot be made (a SmallstateError) goes to `on_error(index, error)` (raised without one) and is
+        left out; the others start."""
+        try:
+            _prepare_group(self, xs)
+        except SmallstateError as e:
+            if len(xs) > 1:  # one at a time, to find which
+                return [x for one in xs for x in self._join([one], run, step, on_error)]
+            if on_error is None:
+                raise
+            on_error(xs[0].run, e)
+            return []
         ng = self.ng_id(self.ngram.initial_state()) if self.ngram is not None else -1
         obj = 0 if self.model is not None else -1
         for x in xs:
@@ -962,6 +976,7 @@ class LatticeRescorer:
             ints = np.array([[x.run], [0], [0], [obj], [0 if obj == 0 else -1], [ng], run.arrivals(1).tolist()],
                             dtype=np.int64)
             run.add(step + int(x.level_of[0]), ints, np.zeros(1))
+        return xs
 
     def _lm_call(self, obj: np.ndarray, row: np.ndarray, tok: np.ndarray, objs: dict[int, object],
                  new_obj: int) -> np.ndarray:

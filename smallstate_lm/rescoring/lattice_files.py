@@ -345,8 +345,7 @@ class LatticeOutputs:
     def abort(self) -> None:
         """Drop the archives being written (nothing half-written is left at their names)."""
         self.bar.close()
-        with contextlib.suppress(Exception):  # the error that aborts the run is the one to report
-            self.files.close()
+        self.files.cancel()  # the lattice files not yet begun are not written; those written are whole
         self.archive_stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
     def _write(self, summary: LatticeRunSummary) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,13 +29,15 @@ def library():
         lib.ssl_source.restype = ctypes.c_char_p
         built_from = lib.ssl_source().decode()
         if SOURCE.exists() and built_from != hashlib.sha1(SOURCE.read_bytes()).hexdigest():
-            return None  # built from another version of _native.c: its functions may not be ours
+            warnings.warn(f"{LIBRARY} was built from another version of {SOURCE.name}: the Python code runs "
+                          "instead (same results, slower); run scripts/build_native.sh", RuntimeWarning, stacklevel=2)
+            return None  # its functions may not be ours
     except (OSError, AttributeError):
         return None
     i64, f64, u8 = (np.ctypeslib.ndpointer(dtype=t, flags="C_CONTIGUOUS") for t in (np.int64, np.float64, np.uint8))
     n = ctypes.c_int64
     lib.ssl_kbest.restype = n
-    lib.ssl_kbest.argtypes = [n, i64, f64, i64, i64, i64, n, n, n, f64, i64, i64, i64, i64, i64]
+    lib.ssl_kbest.argtypes = [n, i64, f64, i64, i64, i64, n, n, n, f64, i64, i64, i64, n, i64, i64]
     lib.ssl_vector_records.restype = n
     lib.ssl_vector_records.argtypes = [u8, n, n, n, n, n, i64, i64, i64]
     lib.ssl_vector_read.restype = n
@@ -50,9 +53,16 @@ def library():
     return lib
 
 
-def upward(src: np.ndarray, dst: np.ndarray) -> bool:
-    """Every arc goes up and arcs are sorted by source: what the `*_up` functions need."""
-    return bool(np.all(src < dst)) and bool(np.all(src[1:] >= src[:-1]))
+def upward(src: np.ndarray, dst: np.ndarray, num_nodes: int, *per_arc: np.ndarray) -> bool:
+    """What the `*_up` functions need: arcs sorted by source, every one going up between nodes of
+    [0, num_nodes), and the per-arc arrays as long as `src` (anything else takes the Python path,
+    which raises where the input is wrong)."""
+    if len(src) != len(dst) or any(len(a) != len(src) for a in per_arc):
+        return False
+    if len(src) == 0:
+        return True
+    return (bool(src[0] >= 0) and bool(np.all(src[1:] >= src[:-1])) and bool(np.all(src < dst))
+            and int(dst.max()) < num_nodes)
 
 
 def as_int64(a: np.ndarray) -> np.ndarray:

@@ -220,8 +220,9 @@ def rescore_lattice_files_ray(paths: Sequence[Path], job: RescoreJob, out: Path,
                     r = pickle.loads(blob)
                     r.path = str(paths[i])  # the user's spelling, whichever path the worker read
                     outputs.add(r)
-        except Exception as e:
-            inner = _remote_error(e)
+        except BaseException as e:
+            outputs.abort()  # stop writing: the files not begun are dropped, as in the local run
+            inner = _remote_error(e) if isinstance(e, Exception) else None
             if inner is not None:
                 raise inner from None
             raise
