@@ -1,6 +1,6 @@
 /* The loops of lattice rescoring that stay sequential whatever is batched: the lazy k-best search over
  * one expanded lattice (kbest.py, `_LazyKbest`), and the walk over the state records of a binary vector
- * FST, reading (fst_binary.py, `_vector_records`) and writing (`write_fst_bytes`). Each function here does
+ * FST, reading (fst_binary.py, `_read_vector`) and writing (`write_fst_bytes`). Each function here does
  * exactly what its Python twin does, so the results are the same bit for bit (tests/test_native.py); the
  * Python code stays the reference and the fallback where this library was not built (scripts/setup.sh
  * builds it; plain C99, no Python headers: it is loaded with ctypes).
@@ -289,25 +289,6 @@ done:
 }
 
 /* ---- vector FST state records ------------------------------------------------------------------- */
-
-/* _vector_records: from byte pos of data[0:n], up to `todo` records of a vector FST with k cost
- * components: where each starts and its arc count, until one does not fit (its start and count are
- * still given) or a count is negative. Returns the number of records, and the position after the
- * last in *end (past n when the last one's arcs run past the end). At most `cap` records are read. */
-int64_t ssl_vector_records(const uint8_t *data, int64_t n, int64_t pos, int64_t todo, int64_t k, int64_t cap,
-                           int64_t *starts, int64_t *counts, int64_t *end) {
-    int64_t head = 4 * k + 8, arc_size = 4 * k + 12, at_count = 4 * k, last = n - head, s = 0;
-    while (s < todo && s < cap && pos <= last) {
-        int64_t narcs;
-        memcpy(&narcs, data + pos + at_count, 8);  /* little-endian, as the file (and x86/ARM) */
-        starts[s] = pos; counts[s] = narcs; s++;
-        if (narcs < 0) break;
-        if (narcs > (n - pos) / arc_size + 1) { pos = n + 1; break; }  /* runs past the end: no overflow */
-        pos += head + narcs * arc_size;
-    }
-    *end = pos;
-    return s;
-}
 
 /* The state records of a vector FST after its header (write_fst_bytes): for each of the S states its
  * final weight (k float32), its arc count (int64) and its arcs (records of 4k + 12 bytes, all states'

@@ -166,15 +166,6 @@ def _vector_records(b: _Bytes, num_states: int, k: int) -> tuple[list[int], list
     reads; `_size_problem` explains why it stopped."""
     data, n = b.data, len(b.data)
     head, arc_size, at_count = 4 * k + 8, 4 * k + 12, 4 * k
-    lib = library()
-    if lib is not None:  # the same walk, compiled (_native.c)
-        todo = num_states if num_states >= 0 else n
-        cap = max(0, min(todo, (n - b.pos) // head + 1))
-        starts_a, counts_a, end = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64), np.zeros(1, np.int64)
-        s = lib.ssl_vector_records(np.frombuffer(data, dtype=np.uint8), n, b.pos, todo, k, cap, starts_a, counts_a,
-                                   end)
-        starts, counts = starts_a[:s].tolist(), counts_a[:s].tolist()
-        return starts, counts, _size_problem(starts, counts, int(end[0]), n, num_states, k)
     unpack = _INT64.unpack_from
     starts: list[int] = []
     counts: list[int] = []
@@ -250,7 +241,7 @@ def _read_vector_whole(lib, b: _Bytes, h: FstHeader, k: int) -> RawFst | None:
     todo = h.num_states if h.num_states >= 0 else n
     cap = max(0, min(todo, (n - b.pos) // (4 * k + 8) + 1))
     counts, end = np.zeros(cap, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    finals, arcs = np.zeros(cap * 4 * k, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+    finals, arcs = np.empty(cap * 4 * k, dtype=np.uint8), np.empty(n, dtype=np.uint8)  # filled by the pass
     s = lib.ssl_vector_read(np.frombuffer(b.data, dtype=np.uint8), n, b.pos, todo, k, cap, counts, finals, arcs, end)
     if int(end[0]) != n or (h.num_states >= 0 and s != h.num_states):
         return None

@@ -49,11 +49,7 @@ class SymbolTable:
     """
 
     def __init__(self, pairs: list[tuple[str, int]], source: str = "<symbols>") -> None:
-        self._id: dict[str, int] = dict(pairs)
-        self._word: dict[int, str] = {i: w for w, i in pairs}
-        self._mask: np.ndarray | None = None
-        self._ids: np.ndarray | None = None
-        if len(self._id) == len(pairs) == len(self._word) and min(self._word, default=0) >= 0:
+        if self._fill([w for w, _ in pairs], [i for _, i in pairs]):
             return  # the common case, checked in bulk; the loop below names the first problem
         self._id, self._word = {}, {}
         for w, i in pairs:
@@ -112,11 +108,15 @@ class SymbolTable:
         """The table of words[i] <-> ids[i], built without pairs; None if a word or an id repeats or an id is
         negative (the caller then finds and names the problem)."""
         table = cls.__new__(cls)
-        table._id, table._word = dict(zip(words, ids)), dict(zip(ids, words))
-        table._mask = table._ids = None
-        if len(table._id) != len(words) or len(table._word) != len(ids) or min(ids, default=0) < 0:
-            return None
-        return table
+        return table if table._fill(words, ids) else None
+
+    def _fill(self, words: list[str], ids: list[int]) -> bool:
+        """Both maps from the columns; False if a word or an id repeats or an id is negative."""
+        self._id: dict[str, int] = dict(zip(words, ids))
+        self._word: dict[int, str] = dict(zip(ids, words))
+        self._mask: np.ndarray | None = None
+        self._ids: np.ndarray | None = None
+        return len(self._id) == len(words) and len(self._word) == len(ids) and min(ids, default=0) >= 0
 
     @classmethod
     def from_words(cls, words: list[str]) -> SymbolTable:

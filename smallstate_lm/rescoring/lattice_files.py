@@ -280,14 +280,11 @@ class LatticeOutputs:
                            scores={key: v for key, v in h.items() if key != "words"} | {"rank": k})
                 for k, h in enumerate(r.nbest)]))
         entry = None
-        if self.write_lattices and r.fst is not None:
-            self.files.write(self.out / "lattices" / f"{r.name}.lat.fst", r.fst)
-        elif self.write_lattices and r.lattice is not None:
-            if r.archive is not None:
-                entry = (r.archive, r.kind, r.name, r.lattice)
-            else:
-                path = self.out / "lattices" / f"{r.name}.lat.fst"
-                self.files.write(path, write_fst_bytes(r.lattice, "lattice4"))
+        if self.write_lattices and r.archive is not None and r.lattice is not None:
+            entry = (r.archive, r.kind, r.name, r.lattice)
+        elif self.write_lattices and (r.fst is not None or r.lattice is not None):  # bytes made by a worker, or here
+            data = r.fst if r.fst is not None else write_fst_bytes(r.lattice, "lattice4")
+            self.files.write(self.out / "lattices" / f"{r.name}.lat.fst", data)
         self._release(index, entry)
 
     def _release(self, index: int | None, entry) -> None:

@@ -38,8 +38,6 @@ def library():
     n = ctypes.c_int64
     lib.ssl_kbest.restype = n
     lib.ssl_kbest.argtypes = [n, i64, f64, i64, i64, i64, n, n, n, f64, i64, i64, i64, n, i64, i64]
-    lib.ssl_vector_records.restype = n
-    lib.ssl_vector_records.argtypes = [u8, n, n, n, n, n, i64, i64, i64]
     lib.ssl_vector_read.restype = n
     lib.ssl_vector_read.argtypes = [u8, n, n, n, n, n, i64, u8, u8, i64]
     lib.ssl_group_min.restype = n
