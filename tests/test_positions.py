@@ -41,7 +41,6 @@ def test_rotary_model_tells_word_order_apart():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"pos": "rotary", "shared_kv": True}, "separate values"),
     ({"pos": "rotary", "arch": "lstm"}, "for arch 'transformer' only"),
     ({"pos": "alibi"}, "pos must be"),
 ])

@@ -28,10 +28,10 @@ def shrunk(name: str, shared_kv: bool, **extra):
                           **caps, **extra})
 
 
-# Transformer presets with and without shared K/V (rotary positions need separate values),
-# each transformer preset also with the other position scheme; every other preset as it is.
-VARIANTS = [(name, kv, {}) for name in PRESETS for kv in (False, True)
-            if PRESETS[name].arch == "transformer" and not (kv and PRESETS[name].pos == "rotary")]
+# Transformer presets with and without shared K/V (with rotary positions the values are the
+# rotated keys), each transformer preset also with the other position scheme; every other
+# preset as it is.
+VARIANTS = [(name, kv, {}) for name in PRESETS for kv in (False, True) if PRESETS[name].arch == "transformer"]
 VARIANTS += [(name, False, {"pos": "none" if PRESETS[name].pos == "rotary" else "rotary"}) for name in PRESETS
              if PRESETS[name].arch == "transformer"]
 VARIANTS += [(name, False, {}) for name in PRESETS if PRESETS[name].arch != "transformer"]

@@ -97,7 +97,8 @@ def trie_rows(seqs_per_row):
     return tries, tokens, parents, torch.tensor([t.n_nodes for t in tries])
 
 
-@pytest.mark.parametrize("extra", [{}, {"shared_kv": True}, {"pos": "rotary"}], ids=["kv", "shared-kv", "rotary"])
+@pytest.mark.parametrize("extra", [{}, {"shared_kv": True}, {"pos": "rotary"}, {"pos": "rotary", "shared_kv": True}],
+                         ids=["kv", "shared-kv", "rotary", "rotary-shared-kv"])
 @torch.no_grad()
 def test_blocked_tree_attention_equals_the_dense_pass_and_each_path(extra):
     model = tiny_model(**extra)

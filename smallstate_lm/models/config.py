@@ -26,7 +26,10 @@ class ModelConfig:
     ff_per_layer: int = 3  # feed-forward sublayers after each attention layer (F)
     d_ff: int = 4096
     d_embed: int | None = 128  # None: embeddings are d_model wide, no projection
-    shared_kv: bool = False  # one projection for keys and values; only keys are stored
+    # one projection for keys and values; only keys are stored. With rotary positions the
+    # cached keys are rotated, so the values are the rotated keys: every path (full, step,
+    # tree) reads values from the cache, which keeps them consistent and the state halved
+    shared_kv: bool = False
     # Multiply the input embedding by sqrt(embed_dim): with the 0.02 init (and tied output
     # weights) token identities otherwise start ~20x smaller than the first sublayer's
     # output in the residual stream, which slows early training a lot
@@ -92,8 +95,6 @@ class ModelConfig:
         if self.pos == "rotary":
             need(self.arch == "transformer", f"pos='rotary' is implemented for arch 'transformer' only, "
                                              f"got {self.arch!r}")
-            need(not self.shared_kv, "pos='rotary' needs separate values: a shared key/value projection "
-                                     "would rotate the values too; set shared_kv=False")
             need((self.d_model // self.n_heads) % 2 == 0,
                  f"pos='rotary' needs an even head width, got {self.d_model // self.n_heads}")
         for name in ("mem_len", "span_max", "n_persistent"):
