@@ -49,7 +49,8 @@ MBR = {"neural + n-gram, linear, MBR"}
 ORDERS = "exact,4,3,2"
 
 
-def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: float) -> dict:
+def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: float,
+              systems: tuple[str, ...] = tuple(SYSTEMS)) -> dict:
     utts = read_nbest_tsv(voice_dir / "nbest.tsv")
     refs = read_text(voice_dir / "ref.txt")
     t0 = time.perf_counter()
@@ -59,8 +60,8 @@ def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: f
     res = {"first pass": sum(int(e[0]) for e in errs), "oracle": sum(int(e.min()) for e in errs),
            "ref_words": ref_words, "seconds": time.perf_counter() - t0, "stats": stats}
     base = Weights(am_scale=am_scale, lm_weight=0.0, ngram_weight=0.0)
-    for name, grid in SYSTEMS.items():
-        total, weights = 0, []
+    for name in systems:
+        grid, total, weights = SYSTEMS[name], 0, []
         for k in range(2):
             tr, te = folds[k], folds[1 - k]
             b = dataclasses.replace(base, interpolation="linear") if name in LINEAR else base
@@ -78,7 +79,7 @@ LATTICE_SYSTEMS = ("n-gram", "neural + n-gram")
 
 
 def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab, ngram: NgramLM,
-                 orders) -> list[dict]:
+                 orders, systems: tuple[str, ...] = LATTICE_SYSTEMS) -> list[dict]:
     """Lattice rescoring, 2-fold like the n-best table, with weights tuned on lattices: for
     each half, the lattices of both halves are expanded with the LMs of the system (starting
     from that half's n-best weights, which only steer pruning and merging), the weights are
@@ -87,7 +88,7 @@ def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab,
     refs = read_text(voice_dir / "ref.txt")
     rows = []
     for order in orders:
-        for system in LATTICE_SYSTEMS:
+        for system in systems:
             neural = system != "n-gram"
             errors, ref_words, states, calls, seconds, peak, tuned = 0, 0, 0, 0, 0.0, 0, []
             for k in range(2):
