@@ -203,7 +203,7 @@ def check_readable(*paths: str) -> None:
 
 
 def train_command(args, m: Member, out: Path, resume: bool) -> list[str]:
-    sets = [f"{k}={v}" for k, v in m.overrides().items()]
+    sets = [f"{k}={json.dumps(v)}" for k, v in m.overrides().items()]
     sets += [f"d_model={args.d_model}", f"n_heads={args.heads or max(1, args.d_model // 64)}",
              f"dropout={args.dropout}", *args.set]
     cmd = ["train", "--train", args.train, "--valid", args.valid, "--eval-text", args.dev, "--preset", args.preset]
@@ -271,6 +271,11 @@ def cmd_train(args) -> None:
                 print(f"{m.name}: training failed ({proc.returncode}): {' '.join(tail)}", flush=True)
                 continue
             s = json.loads(text[text.index("{"):])
+            if s.get("state_numel_per_position") != m.state:  # the run is not the member it was meant to be
+                failed.append(m.name)
+                print(f"{m.name}: trained a model with {s.get('state_numel_per_position')} state numbers per "
+                      f"position, expected {m.state}", flush=True)
+                continue
             s.update(member=dataclasses.asdict(m), command="smallstate-lm " + " ".join(cmd))
             (out / "summary.json").write_text(json.dumps(s, indent=2))
             print(f"{m.name}: {s['stop_reason']} after {s['tokens']:,} tokens, best valid ppl "
@@ -483,8 +488,9 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
         rescorer = LatticeRescorer(weights, lm.model, lm.vocab, ngram, ExpandConfig(max_ngram_order=order))
         t0 = time.perf_counter()
         lats = [read_fst(p, symbols) for _, p in names]
-        done = list(rescorer.expand_many(lats))
+        by_index = dict(rescorer.expand_many(lats))  # (index, lattice) pairs, in the order they finish
         seconds = time.perf_counter() - t0
+        done = [(i, by_index[i]) for i in range(len(lats))]
         stats = [exp.stats for _, exp in done]
         refs = {}
         for v in voices:

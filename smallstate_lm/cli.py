@@ -25,12 +25,14 @@ REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`key=value` pairs (`--set`); values parsed as JSON when they parse (ints, floats, bools, lists)."""
+    """`key=value` pairs (`--set`); values parsed as JSON when they parse (ints, floats, bools, lists),
+    with Python's spellings True, False and None taken as JSON's."""
     out = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, val = item.split("=", 1)
+        val = {"True": "true", "False": "false", "None": "null"}.get(val.strip(), val)
         try:
             out[key.strip()] = json.loads(val)
         except json.JSONDecodeError:

@@ -46,6 +46,23 @@ def test_unknown_preset(small_corpus, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("setting, state", [("shared_kv=False", 2 * 2 * 64), ("shared_kv=false", 2 * 2 * 64),
+                                            ("shared_kv=True", 2 * 64)])
+def test_set_takes_python_and_json_spellings_of_booleans(small_corpus, tmp_path, setting, state):
+    out = tmp_path / "run"
+    proc = _train(*small_corpus, out, "--preset", "tiny", "--set", setting)
+    assert proc.returncode == 0, proc.stderr
+    assert torch.load(out / "model.pt", weights_only=True)["config"]["shared_kv"] is (setting.endswith("rue"))
+    assert '"state_numel_per_position": %d' % state in proc.stdout
+
+
+def test_set_with_a_value_of_the_wrong_type(small_corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = _train(*small_corpus, out, "--preset", "tiny", "--set", "shared_kv=no")
+    assert_clean_error(proc, "shared_kv must be true or false", "'no'")
+    assert not out.exists()
+
+
 def test_refuses_to_overwrite_a_run_without_resume(small_corpus, tmp_path):
     out = tmp_path / "run"
     assert _train(small_corpus[0], small_corpus[1], out).returncode == 0

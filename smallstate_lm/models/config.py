@@ -82,6 +82,16 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(msg)
 
+        for f in dataclasses.fields(self):  # a string such as "False" from a command line is truthy
+            value, kind = getattr(self, f.name), f.type
+            if kind == "bool":
+                need(isinstance(value, bool), f"{f.name} must be true or false, got {value!r}")
+            elif kind in ("int", "int | None"):
+                need((value is None and kind != "int") or (isinstance(value, int) and not isinstance(value, bool)),
+                     f"{f.name} must be an integer{' or null' if kind != 'int' else ''}, got {value!r}")
+            elif kind == "float":
+                need(isinstance(value, (int, float)) and not isinstance(value, bool),
+                     f"{f.name} must be a number, got {value!r}")
         need(self.arch in ARCHS, f"unknown arch {self.arch!r}; choose one of: {', '.join(ARCHS)}")
         need(allow_unset_vocab or self.vocab_size > 3, f"vocab_size must be > 3, got {self.vocab_size}")
         for name in ("d_model", "n_heads", "n_layers", "d_ff"):
