@@ -103,8 +103,17 @@ def _load_failure(path: Path, e: Exception) -> CheckpointError:
         text = text.split("WeightsUnpickler error:")[-1]
         text = "\n".join(x for x in text.splitlines() if "weights_only" not in x and "torch.load" not in x)
     lines = [x.strip() for x in text.splitlines() if x.strip()]
-    reason = lines[0] if lines else type(e).__name__
-    return CheckpointError(f"{path}: corrupt or truncated checkpoint ({reason[:200]})")
+    reason = _first_sentence(lines[0]) if lines else type(e).__name__
+    return CheckpointError(f"{path}: corrupt or truncated checkpoint ({reason})")
+
+
+def _first_sentence(text: str, most: int = 200) -> str:
+    """The first sentence of `text` without its full stop, cut at a word (with "...") beyond `most`
+    characters: torch's messages go on with advice, and a cut must not end mid-word."""
+    sentence = re.split(r"(?<=[^.\s])\.\s", text + " ", maxsplit=1)[0].strip().rstrip(".")
+    if len(sentence) <= most:
+        return sentence
+    return sentence[:most].rsplit(" ", 1)[0].rstrip(",;:") + "..."
 
 
 def read_checkpoint(path: str | os.PathLike, default_file: str = MODEL_FILE) -> tuple[Path, dict]:

@@ -422,9 +422,11 @@ def rescore(
 ):
     """Rescore n-best lists (.tsv, .jsonl, ESPnet, NeMo, Kaldi) or lattices (.fst, .slf[.gz]): writes best.txt,
     nbest.jsonl, rescored lattices (lattices/) and, with --refs, wer.txt."""
+    from .files import check_output_dir
     from .rescoring.nbest_import import ImportOptions
     from .rescoring.nbest_io import read_text
 
+    check_output_dir(out, ConfigError)
     # a directory or a missing file has no kind: among lattices it is reported and skipped like any unreadable
     # lattice (a missing lat.2.gz beside lat.1.gz is a lattice input that is not there, not an n-best list)
     kinds = {_is_lattice(p) for p in inputs if p.is_file() or _is_lattice(p)}

@@ -151,3 +151,20 @@ def read_sentences(path: str | os.PathLike, lowercase: bool = False) -> list[lis
         what = "empty" if path.stat().st_size == 0 else "holds no words"
         raise DataError(f"{path}: {what}; expected one sentence per line")
     return sentences
+
+
+def check_output_dir(path: str | os.PathLike, error: type[Exception], option: str = "-o") -> None:
+    """Refuse, before any work, an output directory that cannot be made or written: a file in
+    its place or on its path, or a parent that this process may not write."""
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is a file" if probe == path else f"cannot be made: {probe} is a file"
+        raise error(f"{option} {path}: {where}; expected a directory (or a path where one can be made)")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise error(f"{option} {path}: {probe} is not writable by this user; expected a directory it may write in")
+

@@ -90,6 +90,30 @@ def test_truncated_checkpoint(trained, small_corpus, tmp_path):
     assert_clean_error(run_cli("eval", "--model", bad, "--text", small_corpus[1]), str(bad))
 
 
+def test_checkpoint_with_its_end_overwritten_ends_its_sentence(trained, small_corpus, tmp_path):
+    data = bytearray((trained / "model.pt").read_bytes())
+    data[-300:] = bytes(300)  # the zip's central directory gone: torch's message runs on with advice
+    bad = tmp_path / "overwritten.pt"
+    bad.write_bytes(bytes(data))
+    proc = run_cli("eval", "--model", bad, "--text", small_corpus[1])
+    assert_clean_error(proc, str(bad), "central directory)")
+    assert proc.stderr.strip().endswith(")")
+
+
+def test_rescore_output_that_cannot_be_a_directory_is_refused_before_loading(tmp_path):
+    lattice = Path(__file__).resolve().parent.parent / "lattices" / "kal-dev0000.lat.fst"
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    # a missing --lm would be the error if the models were loaded first
+    proc = run_cli("rescore", lattice, "--words", lattice.parent / "words.txt", "--lm", tmp_path / "no-model",
+                   "-o", blocker / "out")
+    assert_clean_error(proc, f"-o {blocker / 'out'}", f"{blocker} is a file")
+    proc = run_cli("rescore", lattice, "--words", lattice.parent / "words.txt", "--lm", tmp_path / "no-model",
+                   "-o", blocker)
+    assert_clean_error(proc, f"-o {blocker}: is a file")
+    assert blocker.read_text() == "x"
+
+
 def test_checkpoint_whose_weights_do_not_match_its_config(trained, small_corpus, tmp_path):
     obj = torch.load(trained / "model.pt", weights_only=True)
     obj["config"]["d_ff"] = obj["config"]["d_ff"] * 2

@@ -326,6 +326,28 @@ def test_bad_requests(server, body, status, field):
     _check(r, status, field)
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/rescore", b"[" * 2000 + b"]" * 2000),
+    ("/score", b'{"sentences":' + b"[" * 3000 + b"]" * 3000 + b"}"),
+])
+def test_deeply_nested_json_is_a_400_and_the_connection_lives(server, route, body):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post(route, content=body, headers={"content-type": "application/json"})
+        _check(r, 400, "body", text="nested too deeply")
+        assert client.get("/healthz").status_code == 200  # the same keep-alive connection still answers
+
+
+@pytest.mark.parametrize("headers", [{"content-type": "text/plain"},
+                                     {"content-type": "application/x-www-form-urlencoded"}, {}])
+def test_bodies_not_sent_as_json_are_a_415(server, headers):
+    body = json.dumps({"sentences": ["the lord said"]}).encode()
+    r = httpx.post(server.url + "/score", content=body, headers=headers, timeout=30)
+    assert _check(r, 415, text="expected application/json")["type"] == "unsupported_media_type"
+    ok = httpx.post(server.url + "/score", content=json.dumps({"sentences": ["the lord said"]}),
+                    headers={"content-type": "application/json; charset=utf-8"}, timeout=30)
+    assert ok.status_code == 200
+
+
 def test_malformed_bodies(server):
     h = {"content-type": "application/json"}
     _check(httpx.post(server.url + "/rescore", content=b'{"utterances": [', headers=h), 400, "body", text="JSON")

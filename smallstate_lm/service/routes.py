@@ -82,6 +82,7 @@ ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text
     (400, "Malformed JSON."), (401, "Missing or wrong API key."),
     (408, "The body did not arrive within body_timeout_s."),
     (413, "Body over max_body_bytes, or estimated cost over max_trie_nodes / max_lattice_cost."),
+    (415, "Body not sent as application/json."),
     (422, "Invalid request, or over a limit: `field` names the part, `limit` the limit."),
     (503, "Overloaded (queue full), not ready, or shutting down; see Retry-After."),
     (504, "No answer within the deadline (X-Request-Timeout, at most request_timeout_s); the work was stopped."))}
@@ -260,10 +261,16 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         data = json.loads(raw)
     except ValueError as e:  # not JSON, or bytes in no JSON encoding
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(e)}]) from None
+    except RecursionError:  # arrays or objects nested thousands deep: no request of ours is
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                       "msg": "nested too deeply (expected the request's own few levels)"}]) from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(_body_errors(e)) from None
+    except RecursionError:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                       "msg": "nested too deeply (expected the request's own few levels)"}]) from None
 
 
 def _body_errors(e: ValidationError) -> list[dict]:
@@ -544,7 +551,8 @@ async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (404, 405, a body that cannot be decoded) in the service's error shape."""
-    kind = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    kind = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
+            415: "unsupported_media_type"}.get(exc.status_code, "http_error")
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     return _error(exc.status_code, _error_body(detail, kind), getattr(exc, "headers", None))
 
@@ -614,8 +622,18 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def _read(request: Request, model: type[BaseModel]) -> tuple[BaseModel, int]:
-    """The request's body as `model` (parsed in a thread unless small) and its size in bytes."""
+    """The request's body as `model` (parsed in a thread unless small) and its size in bytes.
+    Only JSON is read: a browser sends text/plain and form bodies to any origin without asking
+    first, so accepting them would let any web page make a local service do work."""
+    content_type = request.headers.get("content-type", "")
+    if not _is_json(content_type):
+        raise HTTPException(415, f"Content-Type {content_type or '(none)'!r}: expected application/json")
     raw = await request.body()
     return await _off_loop(len(raw) <= INLINE_BYTES, _parse, model, raw), len(raw)
 
