@@ -1,5 +1,6 @@
 """scripts/state_tradeoff.py: the family at one budget, its refusals, and the int8 trip of
-trained weights (train -> pack -> unpack -> the same model within the quantisation step)."""
+trained weights through scripts/run_transport.py (train -> pack -> unpack -> the same model
+within the quantisation step)."""
 
 import importlib.util
 import json
@@ -13,7 +14,8 @@ import torch
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.models import build_model, get_preset
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "state_tradeoff.py"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPT = SCRIPTS / "state_tradeoff.py"
 
 
 def script(*args, timeout=300):
@@ -21,8 +23,8 @@ def script(*args, timeout=300):
                           timeout=timeout)
 
 
-def module():
-    spec = importlib.util.spec_from_file_location("state_tradeoff", SCRIPT)
+def module(name: str = "state_tradeoff"):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up by name
     spec.loader.exec_module(mod)
@@ -66,7 +68,7 @@ def test_bad_input_is_refused_in_one_line(args, message):
 
 
 def test_quantize_keeps_ties_and_stays_within_half_a_step():
-    st = module()
+    st = module("run_transport")
     model = build_model(get_preset("tiny").replace(vocab_size=300))
     weights = model.state_dict()
     back = st.dequantize(st.quantize(weights))
