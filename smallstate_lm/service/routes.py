@@ -262,15 +262,17 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     except ValueError as e:  # not JSON, or bytes in no JSON encoding
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(e)}]) from None
     except RecursionError:  # arrays or objects nested thousands deep: no request of ours is
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
-                                       "msg": "nested too deeply (expected the request's own few levels)"}]) from None
+        raise RequestValidationError(TOO_DEEP) from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(_body_errors(e)) from None
     except RecursionError:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",),
-                                       "msg": "nested too deeply (expected the request's own few levels)"}]) from None
+        raise RequestValidationError(TOO_DEEP) from None
+
+
+TOO_DEEP = [{"type": "json_invalid", "loc": ("body",),
+             "msg": "nested too deeply (expected the request's own few levels)"}]
 
 
 def _body_errors(e: ValidationError) -> list[dict]:
