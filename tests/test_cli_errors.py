@@ -56,6 +56,38 @@ def test_set_takes_python_and_json_spellings_of_booleans(small_corpus, tmp_path,
     assert '"state_numel_per_position": %d' % state in proc.stdout
 
 
+def test_checkpoint_with_a_flag_kept_as_text_loads_as_it_was_built(trained, small_corpus, tmp_path):
+    obj = torch.load(trained / "model.pt", weights_only=True)
+    assert obj["config"]["shared_kv"] is False and obj["config"]["bias"] is False
+    obj["config"]["bias"] = ""  # falsy text: built without biases, as the weights are
+    old = tmp_path / "old.pt"
+    torch.save(obj, old)
+    proc = run_cli("eval", "--model", old, "--text", small_corpus[1], "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "holds the text ''" in proc.stderr and "built with bias=False" in proc.stderr
+
+
+def test_shared_kv_kept_as_the_text_false_loads_the_shared_model_it_is(tmp_path):
+    from smallstate_lm.checkpoint import load_model, save_checkpoint
+    from smallstate_lm.models import build_model, get_preset
+    from smallstate_lm.vocab import Vocabulary
+
+    vocab = Vocabulary.build([["the", "lord", "is", "my", "shepherd"]])
+    model = build_model(get_preset("tiny").replace(vocab_size=len(vocab), shared_kv=True, dropout=0.0)).eval()
+    save_checkpoint(tmp_path / "model.pt", model, vocab)
+    obj = torch.load(tmp_path / "model.pt", weights_only=True)
+    obj["config"]["shared_kv"] = "False"  # what `--set shared_kv=False` stored: the text, truthy when built
+    torch.save(obj, tmp_path / "model.pt")
+    with pytest.warns(UserWarning, match="built with shared_kv=True"):
+        loaded = load_model(tmp_path)
+    assert loaded.config.shared_kv is True
+    tokens = torch.tensor([[4, 5, 6]])
+    with torch.no_grad():
+        a, _ = model.score(tokens, model.initial_state(1))
+        b, _ = loaded.model.score(tokens, loaded.model.initial_state(1))
+    assert (a - b).abs().max() <= 1e-6
+
+
 def test_set_with_a_value_of_the_wrong_type(small_corpus, tmp_path):
     out = tmp_path / "run"
     proc = _train(*small_corpus, out, "--preset", "tiny", "--set", "shared_kv=no")

@@ -7,6 +7,7 @@ rebuild exactly the model that was saved.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -136,10 +137,18 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(fields))
         if unknown:
             raise ConfigError(f"unknown model config field(s): {', '.join(unknown)}")
+        d = dict(d)
+        for name, value in d.items():
+            # `--set flag=False` was once kept as the text "False", and the model was built by its
+            # truthiness: rebuild what was trained, and say so
+            if fields[name].type == "bool" and isinstance(value, str):
+                d[name] = bool(value)
+                warnings.warn(f"model config field {name} holds the text {value!r} (an old --set wrote it); the "
+                              f"model was built with {name}={d[name]}, and is loaded so", stacklevel=2)
         return cls(**d)
 
     def replace(self, **overrides) -> ModelConfig:
