@@ -21,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from smallstate_lm.files import atomic_write_bytes  # noqa: E402
+
 PACK_FORMAT = "smallstate-lm-int8/1"
 PART_BYTES = 16_000_000  # under the 16 MiB a device call returns per file
 
@@ -128,7 +130,7 @@ def pack(runs: Path, out: Path, limit_mb: float = 67.0, prefix: str = "tradeoff"
     parts = [data[i : i + PART_BYTES] for i in range(0, len(data), PART_BYTES)]
     paths = [out / f"{prefix}.tar.{i:02d}" for i in range(len(parts))]
     for path, part in zip(paths, parts):
-        path.write_bytes(part)
+        atomic_write_bytes(path, part)
     print(f"{len(data) / 1e6:.1f} MB in {len(parts)} parts under {out}"
           + (f"; weights left out (over --limit-mb): {', '.join(left_out)}" if left_out else ""))
     return paths
@@ -169,9 +171,9 @@ def unpack(parts: list[Path], runs: Path) -> None:
             atomic_torch_save(obj, dest.parent / "model.pt")
             Vocabulary.from_dict(packed["vocab"]).save(dest.parent / "vocab.txt")
         elif info.name.endswith(".xz"):
-            dest.with_suffix("").write_bytes(lzma.decompress(body))
+            atomic_write_bytes(dest.with_suffix(""), lzma.decompress(body))
         else:
-            dest.write_bytes(body)
+            atomic_write_bytes(dest, body)
         print(f"unpacked {info.name}")
 
 

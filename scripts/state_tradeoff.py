@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from smallstate_lm.files import atomic_write_text  # noqa: E402
+
 DATA = ROOT.parent / "shared" / "data"
 DEFAULT_FAMILY = "7x1,4x2,3x3,2x5,7x1kv,4x2kv,3x3kv"
 # the recipe that made models/bible-small (its README), with the budget in tokens so that
@@ -83,23 +85,23 @@ def parse_count(text: str) -> float:
 
 
 def parse_sets(items: list[str]) -> dict:
+    """--set key=value for every member, values parsed as `smallstate-lm train --set` parses them."""
+    from smallstate_lm.cli import parse_overrides
     from smallstate_lm.models import ModelConfig
 
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    out = {}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
     for item in items:
-        key, sep, value = item.partition("=")
+        key, sep, _ = item.partition("=")
         if not sep or key not in fields:
             raise Refused(f"--set {item!r}: expected key=value with key a model config field "
                           f"({', '.join(sorted(fields))})")
         if key in ("n_layers", "ff_per_layer", "shared_kv", "d_ff", "vocab_size"):
             raise Refused(f"--set {key}: set by the family (use --family, --budget or --fixed-d-ff)")
-        out[key] = value
-    return out
+    return parse_overrides(items)
 
 
 def base_config(args):
-    """The preset with --d-model, --heads and --set applied (values parsed by their field type)."""
+    """The preset with --d-model, --heads and --set applied (ModelConfig checks each value's type)."""
     from smallstate_lm.errors import ConfigError
     from smallstate_lm.models import PRESETS, get_preset
 
@@ -111,28 +113,13 @@ def base_config(args):
     if args.d_model < 8:
         raise Refused(f"--d-model must be >= 8, got {args.d_model}")
     heads = args.heads or max(1, args.d_model // 64)
-    typed = {}
-    for key, value in parse_sets(args.set).items():
-        current = getattr(cfg, key)
-        try:
-            if isinstance(current, bool):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                typed[key] = value.lower() in ("true", "1")
-            elif isinstance(current, int) or key == "d_embed":
-                typed[key] = None if value.lower() == "none" else int(value)
-            elif isinstance(current, float):
-                typed[key] = float(value)
-            else:
-                typed[key] = value
-        except ValueError:
-            raise Refused(f"--set {key}={value}: expected a value of the type of {key} "
-                          f"(now {current!r})") from None
+    sets = parse_sets(args.set)
     try:
-        return cfg.replace(d_model=args.d_model, n_heads=heads, d_ff=4 * args.d_model, dropout=args.dropout,
-                           vocab_size=1000, **typed)
+        return cfg.replace(**{"d_model": args.d_model, "n_heads": heads, "d_ff": 4 * args.d_model,
+                              "dropout": args.dropout, "vocab_size": 1000, **sets})  # --set last, as in train
     except ConfigError as e:
-        raise Refused(f"model config: {e}") from None
+        given = f" with --set {' '.join(args.set)}" if args.set else ""
+        raise Refused(f"model config{given}: {e}") from None
 
 
 def nonembedding(cfg) -> int:
@@ -228,7 +215,7 @@ def cmd_train(args) -> None:
         raise Refused(f"--max-tokens must be > 0, got {args.max_tokens}")
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
-    (runs / "family.json").write_text(json.dumps(
+    atomic_write_text(runs / "family.json", json.dumps(
         {"budget": budget, "d_model": args.d_model, "preset": args.preset, "set": args.set,
          "dropout": args.dropout, "max_tokens": int(parse_count(args.max_tokens)),
          "members": [dataclasses.asdict(m) for m in members]}, indent=2))
@@ -274,7 +261,7 @@ def cmd_train(args) -> None:
                       f"position, expected {m.state}", flush=True)
                 continue
             s.update(member=dataclasses.asdict(m), command="smallstate-lm " + " ".join(cmd))
-            (out / "summary.json").write_text(json.dumps(s, indent=2))
+            atomic_write_text(out / "summary.json", json.dumps(s, indent=2))
             print(f"{m.name}: {s['stop_reason']} after {s['tokens']:,} tokens, best valid ppl "
                   f"{s['best_valid_ppl']:.2f} ({time.time() - t0:.0f} s)", flush=True)
     if failed:
@@ -307,7 +294,6 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
     rescoring of all dev lattices with fixed weights (seconds, peak LM state)."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "scripts"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from dev_experiment import run_lattices, run_voice
 
@@ -315,6 +301,8 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
     from smallstate_lm.evaluate import evaluate_file
     from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer
     from smallstate_lm.rescoring.lattice_io import read_fst
+    from smallstate_lm.rescoring.nbest_io import read_text
+    from smallstate_lm.rescoring.wer import align_counts
     from smallstate_lm.scoring import NeuralScorer
     from smallstate_lm.weights import Weights
 
@@ -327,9 +315,7 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
     torch.set_num_threads(args.threads)
 
     def save():
-        tmp = cached.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, cached)
+        atomic_write_text(cached, json.dumps(result, indent=2))
 
     if "dev" not in result:
         result["valid"] = evaluate_file(run, args.valid)
@@ -353,6 +339,7 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
     weights = Weights(**{k: v for k, v in json.loads((ROOT / "lattices" / "weights.json").read_text()).items()
                          if k in {f.name for f in dataclasses.fields(Weights)}})
     names = [(v, p) for v in voices for p in sorted((DATA / "dev" / v / "fst").glob("*.lat.fst"))]
+    refs = {utt: words for v in voices for utt, words in read_text(DATA / "dev" / v / "ref.txt").items()}
     modes = [("order4", 4)] + ([("exact", None)] if run.name in args.exact else [])
     for key, order in modes:
         if key in result:
@@ -364,13 +351,6 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
         seconds = time.perf_counter() - t0
         done = [(i, by_index[i]) for i in range(len(lats))]
         stats = [exp.stats for _, exp in done]
-        refs = {}
-        for v in voices:
-            for line in (DATA / "dev" / v / "ref.txt").read_text().splitlines():
-                utt, *words = line.split()
-                refs[utt] = words
-        from smallstate_lm.rescoring.wer import align_counts
-
         errors = sum(align_counts(refs[p.name.split(".")[0]], exp.best_words(weights)).errors
                      for (_, p), (_, exp) in zip(names, done))
         result[key] = {"seconds": seconds, "peak_state_mib": max(s.peak_state_bytes for s in stats) / 2**20,
@@ -407,11 +387,8 @@ def record(run: Path, result: dict, folder: Path) -> None:
     """One JSON per run (its assessment and training summary) in `folder`: a table can be
     rebuilt from these after runs/ is gone, and later runs added to it."""
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-    folder.mkdir(parents=True, exist_ok=True)
-    label = run_label(run.name, summary)
-    tmp = folder / f".{label}.json.tmp"
-    tmp.write_text(json.dumps({"run": run.name, "summary": summary, "assess": result}, indent=1))
-    os.replace(tmp, folder / f"{label}.json")
+    atomic_write_text(folder / f"{run_label(run.name, summary)}.json",
+                      json.dumps({"run": run.name, "summary": summary, "assess": result}, indent=1))
 
 
 def run_label(name: str, summary: dict) -> str:
