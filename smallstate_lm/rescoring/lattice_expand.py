@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -39,12 +40,18 @@ class ExpandConfig:
     # lattices expanded together, so that one LM call and one set of array operations serve all their
     # levels; None: 16 with a neural LM (its states are held for all of them), 256 with the n-gram alone
     batch_lattices: int | None = None
+    # neural LM state bytes one level of one lattice may create (its LM steps x their history's positions x
+    # bytes per position); beyond it the level keeps only its best states (and says it pruned harder), so
+    # a lattice built wide (thousands of words after every history) cannot take all of a server's memory.
+    # None: no bound
+    max_level_bytes: int | None = None
 
     def __post_init__(self):
         if self.max_ngram_order is not None and self.max_ngram_order < 1:
             raise ConfigError(f"max_ngram_order must be >= 1, got {self.max_ngram_order}")
-        if self.beam <= 0 or self.max_per_state < 1 or self.max_states < 1 or (self.batch_lattices or 1) < 1:
-            raise ConfigError("beam, max_per_state, max_states and batch_lattices must be positive")
+        if self.beam <= 0 or self.max_per_state < 1 or self.max_states < 1 or (self.batch_lattices or 1) < 1 \
+                or (self.max_level_bytes or 1) < 1:
+            raise ConfigError("beam, max_per_state, max_states, batch_lattices and max_level_bytes must be positive")
 
     def lattices_per_batch(self, neural: bool) -> int:
         return self.batch_lattices or (16 if neural else 256)
@@ -541,12 +548,14 @@ class _Frontier:
         self.cap = np.array([x.per_state_cap for x in xs], dtype=np.int64)
         self.beams = np.array([x.beam for x in xs], dtype=np.float64)
         self.harder = np.array([x.stats.pruned_harder for x in xs], dtype=bool)
+        self.cut = np.zeros(len(xs), dtype=bool)  # a level lost states to max_level_bytes
         self.lm_calls = np.array([x.stats.lm_calls for x in xs], dtype=np.int64)
         self.lm_rows = np.array([x.stats.lm_rows for x in xs], dtype=np.int64)
         self.peak = np.array([x.stats.peak_state_bytes for x in xs], dtype=np.int64)
         self.alive = np.ones(len(xs), dtype=bool)
         self.live: dict[str, np.ndarray] = {}
         self.steps: dict[str, np.ndarray] = {}
+        self.step_owner = np.zeros(0, dtype=np.int64)  # the slot of each of the level's steps
 
     def retire(self, done: np.ndarray, stopped_runs: list[int]) -> None:
         """Lattices that finished (slots `done`) or were stopped leave: their counts are written back."""
@@ -561,7 +570,7 @@ class _Frontier:
             x = self.xs[k]
             x.n_nodes, x.per_state_cap, x.beam = int(self.n_nodes[k]), int(self.cap[k]), float(self.beams[k])
             st = x.stats
-            st.pruned_harder, st.lm_calls = bool(self.harder[k]), int(self.lm_calls[k])
+            st.pruned_harder, st.lm_calls = bool(self.harder[k] or self.cut[k]), int(self.lm_calls[k])
             st.lm_rows = int(self.lm_rows[k])
             st.peak_state_bytes = int(self.peak[k])
 
@@ -601,7 +610,11 @@ class _Frontier:
             seg = np.flatnonzero(np.concatenate([[True], kb[1:] != kb[:-1]]))
             best = np.minimum.reduceat(est, seg)[_segments(seg, len(kept))]
             sel = est <= best + self.beams[kb]
-            kept, kb = kept[sel], kb[sel]
+            kept, kb, est = kept[sel], kb[sel], est[sel]
+        if len(kept) and self.xs[0].r.cfg.max_level_bytes is not None:
+            keep = self._within_level_bytes(step, m_lat[kept], kb, est)
+            if keep is not None:
+                kept, kb = kept[keep], kb[keep]
         per_lattice = np.bincount(kb, minlength=len(self.xs))
         idx = concat_ranges(self.n_nodes, per_lattice)  # numbered on per lattice
         self.n_nodes += per_lattice
@@ -617,6 +630,33 @@ class _Frontier:
         return {"idx": idx, "lat": m_lat[kept], "owner": kb, "key": key[w_kept], "cost": m_cost[kept],
                 "obj": obj[w_kept], "row": row[w_kept], "ng": ng[w_kept]}
 
+    def _within_level_bytes(self, step: int, lat_s: np.ndarray, owner: np.ndarray,
+                            est: np.ndarray) -> np.ndarray | None:
+        """Which of a level's states (global lattice state, owner slot, cost estimate; grouped by owner) to
+        keep so that no lattice's level creates more LM state than `max_level_bytes`: a state's steps are
+        bounded by its out-arcs plus its </s>, each holding the history's positions; over the budget, a
+        lattice keeps its best states (at least one), and its stats say it was pruned harder. None: all fit."""
+        r = self.xs[0].r
+        if r.model is None:
+            return None
+        rows = self.out_start[lat_s + 1] - self.out_start[lat_s] + np.isfinite(self.final_graph[lat_s])
+        positions = step - self.start_step[owner] + 2  # levels bound the words of a history; + <s>, + the step
+        nbytes = rows * (positions * r.state_bytes[0] + r.state_bytes[1])
+        budget = r.cfg.max_level_bytes
+        per_lattice = np.bincount(owner, weights=nbytes, minlength=len(self.xs))
+        over = np.flatnonzero(per_lattice > budget)
+        if not len(over):
+            return None
+        keep = np.ones(len(lat_s), dtype=bool)
+        for k in over.tolist():
+            at = np.flatnonzero(owner == k)
+            order = at[np.argsort(est[at], kind="stable")]
+            fits = np.cumsum(nbytes[order]) <= budget
+            fits[0] = True
+            keep[order[~fits]] = False
+            self.cut[k] = True
+        return keep
+
     def prepare(self, step: int, max_states: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Prune every lattice's level and list the LM steps it needs: (parent state object,
         row, LM token id) per step, one per distinct (state, word) of the out-arcs, then one
@@ -624,7 +664,7 @@ class _Frontier:
         live = self.live = self._merge_and_prune(step, max_states)
         if not live:
             self.steps = {}
-            empty = np.zeros(0, dtype=np.int64)
+            empty = self.step_owner = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, np.zeros(len(self.xs), dtype=np.int64)
         counts = self.out_start[live["lat"] + 1] - self.out_start[live["lat"]]
         arc = concat_ranges(self.out_start[live["lat"]], counts)  # arcs are sorted by source
@@ -655,22 +695,23 @@ class _Frontier:
         self.steps = {"node": step_node, "word": of_word(self.word, -1), "gword": of_word(self.arc_gword, -1),
                       "arc": arc, "arc_node": node, "arc_step": arc_step, "final": final, "final_step": final_step}
         token = of_word(self.arc_lm, EOS_ID)
-        per_lattice = np.bincount(live["owner"][step_node], minlength=len(self.xs))
+        self.step_owner = live["owner"][step_node]
+        per_lattice = np.bincount(self.step_owner, minlength=len(self.xs))
         return live["obj"][step_node], live["row"][step_node], token, per_lattice
 
-    def finish(self, step: int, nn_lp: np.ndarray | None, new_obj: int | None) -> None:
-        """Take the level's neural log-probs (row i of the call, whose output state is object
-        `new_obj`, is step i), add the n-gram, record the level and pass the paths on to later steps."""
+    def finish(self, step: int, nn_lp: np.ndarray | None, new_at: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Take the level's neural log-probs (step i's is nn_lp[i]; the state after it is row new_at[1][i] of
+        state object new_at[0][i]), add the n-gram, record the level and pass the paths on to later steps."""
         live, steps = self.live, self.steps
         self.live, self.steps = {}, {}
         if live:
-            self._propagate(step, live, steps, self.xs[0].r, nn_lp, new_obj)
+            self._propagate(step, live, steps, self.xs[0].r, nn_lp, new_at)
         else:
             empty_i, empty_f = np.zeros((3, 0), dtype=np.int64), np.zeros((3, 0))
             self.run.records[step] = _Record({}, np.zeros(0, dtype=np.int64), {}, empty_i, empty_f, {},
                                              np.zeros((1, 0), dtype=np.int64), np.zeros((4, 0)))
 
-    def _propagate(self, step, live, steps, r, nn_lp, new_obj) -> None:
+    def _propagate(self, step, live, steps, r, nn_lp, new_at) -> None:
         w = r.w
         n_steps = len(steps["node"])
         nn = nn_lp if nn_lp is not None else np.zeros(n_steps)
@@ -686,6 +727,8 @@ class _Frontier:
         j = np.where(word_arc, i, n_steps)
         nn, ng, lm = np.append(nn, 0.0), np.append(ng, 0.0), np.append(lm, 0.0)
         key_next, ng_next = np.append(key_next, -1), np.append(ng_next, -1)
+        new_obj, new_row = ((np.append(new_at[0], -1), np.append(new_at[1], -1)) if new_at is not None
+                            else (np.full(n_steps + 1, -1, dtype=np.int64),) * 2)
         oov = np.where(word_arc, self.arc_oov[arc], 0.0)
         cost = np.where(word_arc, live["cost"][node] + self.first_pass[arc] - lm[j] - w.word_penalty
                         - w.oov_penalty * oov, live["cost"][node] + self.first_pass[arc])
@@ -693,8 +736,8 @@ class _Frontier:
         arc_run = self.runs[owner]
         arrival = self.run.arrivals(len(arc))
         ints = np.stack([arc_run, self.local_state[self.dst[arc]], np.where(word_arc, key_next[j], live["key"][node]),
-                         np.where(word_arc, -1 if new_obj is None else new_obj, live["obj"][node]),
-                         np.where(word_arc, j if new_obj is not None else -1, live["row"][node]),
+                         np.where(word_arc, new_obj[j], live["obj"][node]),
+                         np.where(word_arc, new_row[j], live["row"][node]),
                          np.where(word_arc, ng_next[j], live["ng"][node]), arrival])
         target = self.start_step[owner] + self.level_of[self.dst[arc]]
         if len(arc) and target.min() == target.max():
@@ -770,11 +813,17 @@ class LatticeRescorer:
         self.w, self.model, self.vocab, self.ngram = weights, model, vocab, ngram
         self.cfg = config or ExpandConfig()
         self.device = device
+        self.state_bytes = (0, 0)  # LM state bytes per position and per row
         if model is not None:  # an n-gram-only run never imports torch
             import torch
 
             self.device = torch.device(device)
+            size = next(model.parameters()).element_size()
+            self.state_bytes = (model.state_numel_per_position() * size, model.state_numel_fixed() * size)
         self.lm_calls = 0
+        # rows of one LM call at a step (None: a level in one call); with `pause`, expand_many yields
+        # between the calls of a level, so a server can bound the time between two of its checks
+        self.rows_per_call: Callable[[int], int] | None = None
         self._keys: list[tuple] = [()]  # key id -> history key (decoder word ids)
         self._key_id: dict[tuple, int] = {(): 0}
         self._child: dict[tuple[int, int], int] = {}  # (key id, word) -> key id after the word
@@ -878,7 +927,9 @@ class LatticeRescorer:
         `should_stop(index) -> bool` is asked before a lattice starts and between levels:
         True drops it (nothing is yielded for it) and frees its states, so a server stops
         the work of a request that was cancelled or timed out. With `pause`, None is also
-        yielded after every level: a caller may stop there, do other work, and resume."""
+        yielded after every level and between the LM calls of a level (`rows_per_call`): a caller
+        may stop there, do other work, and resume; a lattice stopped between two calls of a level
+        has no more rows computed."""
         objs: dict[int, object] = {}
         next_obj = 0
         if self.model is not None:
@@ -907,14 +958,28 @@ class LatticeRescorer:
             if frontier is None:
                 frontier = _Frontier(active, run)
             obj, row, tok, per_lattice = frontier.prepare(step, self.cfg.max_states)
-            lp, new_obj = None, None
+            lp, new_at, halted = None, None, set()
             if self.model is not None and len(tok):
-                lp = self._lm_call(obj, row, tok, objs, next_obj)
-                new_obj, next_obj = next_obj, next_obj + 1
+                lp = np.zeros(len(tok))
+                new_at = (np.full(len(tok), -1, dtype=np.int64), np.full(len(tok), -1, dtype=np.int64))
+                rows = max(1, self.rows_per_call(step)) if self.rows_per_call is not None else len(tok)
+                for a in range(0, len(tok), rows):
+                    part = np.arange(a, min(a + rows, len(tok)))
+                    if a > 0 and pause:  # a wide level is not one unstoppable call
+                        yield None
+                        if should_stop is not None:
+                            halted |= {x.run for x in active if x.run not in halted and should_stop(x.run)}
+                    if halted:  # the rows of lattices stopped meanwhile are not computed
+                        part = part[~np.isin(frontier.runs[frontier.step_owner[part]], list(halted))]
+                        if not len(part):
+                            continue
+                    lp[part] = self._lm_call(obj[part], row[part], tok[part], objs, next_obj)
+                    new_at[0][part], new_at[1][part] = next_obj, np.arange(len(part))
+                    next_obj += 1
             frontier.count_level(per_lattice, lp is not None, sum(o.nbytes for o in objs.values()))
-            frontier.finish(step, lp, new_obj)
-            done = np.flatnonzero((frontier.last_step == step) & frontier.alive)
-            stopped = ([x for x in active if x.last_step > step and should_stop(x.run)]
+            frontier.finish(step, lp, new_at)
+            done = np.flatnonzero((frontier.last_step == step) & frontier.alive & ~np.isin(frontier.runs, list(halted)))
+            stopped = ([x for x in active if x.run in halted or (x.last_step > step and should_stop(x.run))]
                        if should_stop is not None else [])
             if len(done) or stopped:
                 # the frontier keeps the lattices that left (their rows are skipped) until the next one joins
@@ -980,7 +1045,8 @@ class LatticeRescorer:
 
     def _lm_call(self, obj: np.ndarray, row: np.ndarray, tok: np.ndarray, objs: dict[int, object],
                  new_obj: int) -> np.ndarray:
-        """One batched LM step for every lattice's level: log-probs per row, the new state stored as `new_obj`."""
+        """One batched LM step for rows of the lattices' level: log-probs per row, the new state stored as
+        `new_obj`."""
         import torch
 
         with torch.no_grad():
