@@ -15,10 +15,23 @@ of real dev lattices near max_lattice_cost), while stalled uploads and clients t
 up half-way hit it too; it reports 5xx answers, lost requests, the small requests' p99
 with and without the heavy ones, and the server's RSS before and after.
 
+A few extra clients send "wedge" shapes meanwhile, each --wedges times at random moments of
+the mix: deep n-best lists (200, 700 and 1000 hypotheses of 100 words drawn from 14 frequent
+words), a fan lattice (64 x 2000 arcs), a sausage lattice (40 slots of 14 words), JSON nested
+thousands deep (/rescore and /score), and the 1000-hypothesis list and the sausage with
+`X-Request-Timeout: 2` or from a client that hangs up after 1 s. Every 504 and hang-up is
+followed at once by a 3-word request, whose latency shows whether the worker is free again.
+At the end, with wedges in flight, the server gets SIGTERM and its time to exit is measured.
+Rules, with a PASS/FAIL line each: no 5xx but 503 (and 504 to a request that asked for a
+2 s deadline); refused heavy and wedge requests answered within 100 ms; the request after a
+504 or hang-up within 2 x slice_ms; the small requests' p99 within 3x of alone; RSS after
+within 1.2x of before; exit 0 within drain_seconds + graceful_timeout_s.
+
     python benchmarks/bench_service.py [--lm models/bible-small] [--ngram runs/demo/lm4.bin] [--nbest FILE ...]
         [--concurrency 1 8 32] [--seconds 6] [--device cpu] [--no-write]
     python benchmarks/bench_service.py --abuse [--requests 2000] [--concurrency 32] [--heavy-share 0.05]
-        [--stalls 10] [--disconnects 50]
+        [--stalls 10] [--disconnects 50] [--wedges 3 | --no-wedges] [--wedge-clients 4]
+        [--doc docs/benchmarks.md] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import os
 import random
@@ -34,6 +48,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,7 +56,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import command, machine, write_section  # noqa: E402
+from common import DOC, command, machine, write_section  # noqa: E402
 
 from smallstate_lm.rescoring.nbest_io import read_nbest  # noqa: E402
 
@@ -120,9 +135,10 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
         writer.close()
 
 
-def post_bytes(body: bytes) -> bytes:
-    return (b"POST /rescore HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-            % len(body)) + body
+def post_bytes(body: bytes, path: str = "/rescore", headers: str = "") -> bytes:
+    """A whole POST request; `headers`: extra header lines, each ending in CRLF."""
+    return (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 async def user(port: int, requests: list[bytes], offset: int, t_begin: float, t_end: float, out: list) -> None:
@@ -248,11 +264,13 @@ def lattice_packs(limit: int, max_per_state: int, n: int) -> list[bytes]:
     return reqs
 
 
-async def run_fixed(port: int, reqs: list[tuple[str, bytes]], concurrency: int) -> list[tuple[str, float, int]]:
+async def run_fixed(port: int, reqs: list[tuple[str, bytes]], concurrency: int,
+                    out: list | None = None) -> list[tuple[str, float, int]]:
     """Every request once, `concurrency` at a time, each user on a keep-alive connection (a new one after
-    an error answer): (kind, seconds, status) per request; status 0 for one that got no answer."""
+    an error answer): (kind, seconds, status) per request, appended to `out` as they come (others watch
+    its length for progress); status 0 for one that got no answer."""
     queue = collections.deque(reqs)
-    out: list[tuple[str, float, int]] = []
+    out = [] if out is None else out
 
     async def user() -> None:
         reader = writer = None
@@ -307,14 +325,166 @@ async def stall(port: int, head: bool, start: float, wait: float) -> float | Non
         writer.close()
 
 
-async def mixed_run(port: int, reqs: list[tuple[str, bytes]], heavy: list[bytes], args) -> tuple[list, list]:
-    """The mixed requests, with the hang-ups and the stalls spread over the first ten seconds."""
+async def mixed_run(port: int, reqs: list[tuple[str, bytes]], heavy: list[bytes], wedges: list["Wedge"],
+                    probe: bytes, args) -> tuple[list, list, list]:
+    """The mixed requests, with the hang-ups and the stalls spread over the first ten seconds and the
+    wedges sent by `args.wedge_clients` extra clients, each when the mix has done a random share
+    (5-80%) of its requests: (the mix's results, the stalls' seconds, the wedges' results)."""
     rng = random.Random(1)
     extra = [hang_up(port, heavy[i % len(heavy)], rng.uniform(0, 10), rng.uniform(0.05, 0.5))
              for i in range(args.disconnects)]
     stalls = [stall(port, i % 2 == 0, rng.uniform(0, 10), 60) for i in range(args.stalls)]
-    results = await asyncio.gather(run_fixed(port, reqs, max(args.concurrency)), *stalls, *extra)
-    return results[0], list(results[1:1 + len(stalls)])
+    progress: list = []
+    timed = sorted(((rng.uniform(0.05, 0.8), w) for w in wedges), key=lambda t: t[0])  # moments: shares of the mix
+    clients = [wedge_client(port, timed[k::args.wedge_clients], progress, len(reqs), probe)
+               for k in range(args.wedge_clients if wedges else 0)]
+    results = await asyncio.gather(run_fixed(port, reqs, max(args.concurrency), progress), *clients, *stalls,
+                                   *extra)
+    wedged = [r for rs in results[1:1 + len(clients)] for r in rs]
+    return results[0], list(results[1 + len(clients):1 + len(clients) + len(stalls)]), wedged
+
+
+# ---------------------------------------------------------------------------------------------
+# --abuse wedges: request shapes built to hold the worker, the parser or the memory
+
+HUNG_UP = 499  # the status recorded for a request whose client hung up before its answer (as the metrics do)
+REFUSED = (400, 408, 413, 415, 422, 429, 503)  # what a request refused before (or instead of) its work gets
+
+
+@dataclasses.dataclass(frozen=True)
+class Wedge:
+    shape: str
+    data: bytes  # the whole HTTP request
+    hang_up_after: float | None = None  # the client closes its connection after this many seconds
+    deadline: bool = False  # sent with X-Request-Timeout: a 504 is an answer it asked for
+
+
+def frequent_words(args, n: int) -> list[str]:
+    """The `n` most frequent words the LMs know: the neural LM's vocabulary (ordered by frequency), or, for
+    an n-gram only (or a checkpoint file), the words of the dev n-best lists by count."""
+    from smallstate_lm.vocab import SPECIALS, Vocabulary
+
+    vocab = Path(args.lm) / "vocab.txt" if args.lm else None
+    if vocab is not None and vocab.is_file():
+        words = [w for w in Vocabulary.load(vocab).words if w not in SPECIALS]
+    else:
+        counts = collections.Counter(w for p in args.nbest for u in read_nbest(p) for h in u.hyps for w in h.words)
+        words = [w for w, _ in counts.most_common() if w not in SPECIALS]
+    if len(words) < n:
+        sys.exit(f"bench_service: the wedges need {n} distinct words, found {len(words)}")
+    return words[:n]
+
+
+def build_wedges(words: list[str], repeats: int) -> tuple[list[Wedge], dict[str, Wedge]]:
+    """Every wedge shape `repeats` times, and one of each shape by name. `words`: at least 2,064
+    distinct in-vocabulary words, the most frequent first."""
+    rng = random.Random(2)
+    common = words[:14]
+
+    def nbest(n_hyps: int) -> bytes:
+        hyps = [{"words": [rng.choice(common) for _ in range(100)], "am_score": round(-1000 * (1 + rng.random()), 2)}
+                for _ in range(n_hyps)]
+        return json.dumps({"utterances": [{"id": f"deep-{n_hyps}", "hypotheses": hyps}]}).encode()
+
+    def lattice(arcs: list[tuple[int, int, str]], final: int) -> bytes:
+        text = "".join(f"{a}\t{b}\t{w}\t{w}\t1.0,1.0\n" for a, b, w in arcs) + f"{final}\t0,0\n"
+        return json.dumps({"utterances": [{"id": "wedge", "lattice": {"format": "openfst-text",
+                                                                       "data": text}}]}).encode()
+
+    deep = {h: nbest(h) for h in (200, 700, 1000)}
+    fan = lattice([(0, 1, w) for w in words[:64]] + [(1, 2, w) for w in words[64:2064]], 2)
+    sausage = lattice([(k, k + 1, w) for k in range(40) for w in common], 40)
+    timeout = "X-Request-Timeout: 2\r\n"
+    shapes = [*(Wedge(f"n-best {h} x 100 words", post_bytes(body)) for h, body in deep.items()),
+              Wedge("fan lattice 64 x 2000 arcs", post_bytes(fan)),
+              Wedge("sausage lattice 40 x 14 arcs", post_bytes(sausage)),
+              Wedge("JSON 2000 deep, /rescore", post_bytes(b"[" * 2000 + b"]" * 2000)),
+              Wedge("JSON 3000 deep, /score", post_bytes(b'{"sentences":' + b"[" * 3000 + b"]" * 3000 + b"}",
+                                                         "/score")),
+              Wedge("n-best 1000, X-Request-Timeout 2", post_bytes(deep[1000], headers=timeout), deadline=True),
+              Wedge("n-best 1000, hang-up after 1 s", post_bytes(deep[1000]), hang_up_after=1.0),
+              Wedge("sausage, X-Request-Timeout 2", post_bytes(sausage, headers=timeout), deadline=True),
+              Wedge("sausage, hang-up after 1 s", post_bytes(sausage), hang_up_after=1.0)]
+    return [w for w in shapes for _ in range(repeats)], {w.shape: w for w in shapes}
+
+
+async def send_once(port: int, data: bytes, hang_up_after: float | None = None,
+                    wait: float = 120.0) -> tuple[int, float]:
+    """One request on its own connection: (status, seconds); HUNG_UP when the client closed the connection
+    after `hang_up_after` s without an answer, 0 when the server closed it or did not answer in `wait` s."""
+    t0 = time.perf_counter()
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(data)
+        await writer.drain()
+        status, _ = await asyncio.wait_for(read_response(reader), hang_up_after or wait)
+    except asyncio.TimeoutError:
+        status = HUNG_UP if hang_up_after else 0
+    except (OSError, asyncio.IncompleteReadError, ValueError, RuntimeError, StopIteration):
+        status = 0
+    finally:
+        if writer is not None:
+            writer.close()
+    return status, time.perf_counter() - t0
+
+
+async def wedge_client(port: int, timed: list[tuple[float, Wedge]], progress: list, total: int,
+                       probe: bytes) -> list[dict]:
+    """Sends each wedge once the mix has done its share of `total` requests (`progress` grows as it goes);
+    after a 504 or a hang-up, at once a small request (`probe`), timed."""
+    out = []
+    for share, w in timed:
+        while len(progress) < share * total and len(progress) < total:
+            await asyncio.sleep(0.01)
+        status, seconds = await send_once(port, w.data, w.hang_up_after)
+        row = {"shape": w.shape, "status": status, "seconds": seconds, "deadline": w.deadline}
+        if status in (504, HUNG_UP):
+            row["probe_status"], row["probe_seconds"] = await send_once(port, probe)
+        out.append(row)
+    return out
+
+
+class RssSampler(threading.Thread):
+    """The server's resident memory every `period` s, its peak kept."""
+
+    def __init__(self, pid: int, period: float = 0.1):
+        super().__init__(daemon=True)
+        self.pid, self.period, self.peak, self.samples = pid, period, 0.0, 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.peak = max(self.peak, server_rss_mib(self.pid))
+                self.samples += 1
+            except (OSError, ValueError):  # the process is gone
+                return
+            self.done.wait(self.period)
+
+    def stop(self) -> float:
+        self.done.set()
+        self.join()
+        return self.peak
+
+
+async def shutdown_run(server: "ServerProcess", in_flight: list[tuple[str, bytes]], settle: float,
+                       limit: float) -> dict:
+    """Sends `in_flight`, waits `settle` s (their bodies in, their work begun), then SIGTERM: the seconds until
+    the process exits (killed after `limit` + 30 s) and its exit code, and what each request got."""
+    sends = [asyncio.create_task(send_once(server.port, data, wait=limit + 30)) for _, data in in_flight]
+    await asyncio.sleep(settle)
+    t0 = time.perf_counter()
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        code = await asyncio.to_thread(server.proc.wait, limit + 30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        code = None
+    seconds = time.perf_counter() - t0
+    answers = await asyncio.gather(*sends)
+    return {"seconds": seconds, "exit_code": code, "limit": limit,
+            "requests": [{"shape": shape, "status": s, "seconds": t} for (shape, _), (s, t) in zip(in_flight, answers)]}
 
 
 def server_rss_mib(pid: int) -> float:
@@ -340,7 +510,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_abuse(args: argparse.Namespace) -> None:
+    from smallstate_lm.service.settings import Settings
+
     settings = [*ABUSE_SETTINGS, *args.settings]
+    server_settings = Settings.from_env(assignments=settings)  # as the server reads them (it inherits our environment)
     n_heavy = round(args.requests * args.heavy_share)
     small = [("small", r) for r in build_requests(args.nbest, 5, args.utts)[0]]
     heavy = [r for pair in zip(nbest_packs(args.nbest, setting(settings, "max_trie_nodes"), (n_heavy + 1) // 2),
@@ -349,75 +522,192 @@ def run_abuse(args: argparse.Namespace) -> None:
     mixed = [small[i % len(small)] for i in range(args.requests - n_heavy)] + [("heavy", r) for r in heavy]
     random.Random(0).shuffle(mixed)
     alone = [small[i % len(small)] for i in range(args.requests - n_heavy)]
+    words = frequent_words(args, 2064)
+    wedges, wedge_shapes = build_wedges(words, args.wedges)
+    probe = post_bytes(json.dumps({"utterances": [{"id": "probe", "hypotheses": [
+        {"words": words[:3], "am_score": -10.0}]}]}).encode())
+    # in flight at SIGTERM: wedges (two sausages, which the limits admit, a deep list, a fan) and heavy requests
+    at_sigterm = ("sausage lattice 40 x 14 arcs",) * 2 + ("n-best 1000 x 100 words", "fan lattice 64 x 2000 arcs")
+    in_flight = [(s, wedge_shapes[s].data) for s in at_sigterm if args.wedges] + [("heavy", r) for r in heavy[:2]]
     logs = ROOT / "runs" / "bench_service"
     logs.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(args, True, logs / "abuse.log", tuple(settings))
     try:
         server.wait_ready()
+        slice_ms = float(json.loads(asyncio.run(http_get(server.port, "/v1/models"))[1])["batching"]["slice_ms"])
         c = max(args.concurrency)
         asyncio.run(run_fixed(server.port, small[:200], 8))  # warm-up
         rss0 = server_rss_mib(server.proc.pid)
+        sampler = RssSampler(server.proc.pid)
+        sampler.start()
         t0 = time.perf_counter()
         base = asyncio.run(run_fixed(server.port, alone, c))
         t1 = time.perf_counter()
-        out, stalls = asyncio.run(mixed_run(server.port, mixed, heavy, args))
+        out, stalls, wedged = asyncio.run(mixed_run(server.port, mixed, heavy, wedges, probe, args))
+        wedged.sort(key=lambda r: list(wedge_shapes).index(r["shape"]))  # stable: in the order sent, by shape
         t2 = time.perf_counter()
         time.sleep(3)  # the hang-ups' work is stopped, large requests' memory given back
         rss1 = server_rss_mib(server.proc.pid)
         counts = {k: metric(server.port, f"smallstate_{k}_total") for k in ("requests_cancelled", "work_cancelled",
                                                                            "header_timeouts")}
         counts["408"] = metric(server.port, "smallstate_requests_total", status="408")
+        rss_peak = sampler.stop()
+        grace = server_settings.drain_seconds + server_settings.graceful_timeout_s
+        shutdown = asyncio.run(shutdown_run(server, in_flight, 1.0, grace))
     finally:
         server.stop()
-    body = abuse_report(args, settings, base, out, stalls, counts, (rss0, rss1), (t1 - t0, t2 - t1))
+    rss = {"before": rss0, "peak": rss_peak, "after": rss1, "samples": sampler.samples}
+    body, summary = abuse_report(args, settings, base, out, stalls, counts, rss, (t1 - t0, t2 - t1), wedged,
+                                 slice_ms, shutdown, server_settings)
     print(body)
     if not args.no_write:
-        write_section(f"bench_service-abuse-{'cuda' if args.device.startswith('cuda') else 'cpu'}", body)
+        write_section(f"bench_service-abuse-{'cuda' if args.device.startswith('cuda') else 'cpu'}", body,
+                      Path(args.doc))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
 
 
-def abuse_report(args, settings, base, out, stalls, counts, rss, seconds) -> str:
+def latency_cells(ms: list[float]) -> str:
+    """p50 / p90 / max of seconds, in ms."""
+    return f"{percentile(ms, 0.5):.0f} / {percentile(ms, 0.9):.0f} / {1000 * max(ms):.0f} ms" if ms else "-"
+
+
+def abuse_report(args, settings, base, out, stalls, counts, rss, seconds, wedged, slice_ms, shutdown,
+                 server_settings) -> tuple[str, dict]:
+    """The markdown section and its numbers (for --json)."""
     statuses = collections.Counter((kind, status) for kind, _, status in out)
-    errors_5xx = sum(n for (_, status), n in statuses.items() if status >= 500)
     lost = sum(n for (_, status), n in statuses.items() if status == 0)
     p99_alone = percentile([t for _, t, s in base if s == 200], 0.99)
     p99_mixed = percentile([t for k, t, s in out if k == "small" and s == 200], 0.99)
     heavy_ms = [t for k, t, s in out if k == "heavy" and s == 200]
     timed_out = [t for t in stalls if t is not None]
     table = ", ".join(f"{kind} {status}: {n}" for (kind, status), n in sorted(statuses.items()))
-    return "\n".join([
-        f"## bench_service --abuse: mixed load, stalled uploads and hang-ups, {args.device}",
+    # every answer of the run: (what, status, whether it asked for a short deadline)
+    answers = ([(k, s, False) for k, _, s in base + out] + [(w["shape"], w["status"], w["deadline"]) for w in wedged]
+               + [("probe", w["probe_status"], False) for w in wedged if "probe_status" in w]
+               + [(f"at SIGTERM: {r['shape']}", r["status"], False) for r in shutdown["requests"]])
+    bad_5xx = collections.Counter((k, s) for k, s, deadline in answers
+                                  if s >= 500 and s != 503 and not (s == 504 and deadline))
+    asked_504 = sum(1 for _, s, deadline in answers if s == 504 and deadline)
+    n_5xx = sum(bad_5xx.values())
+    # heavy and wedge requests: refused ones must be quick, answered ones are a distribution
+    heavy_rows = [("heavy", t, s) for k, t, s in out if k == "heavy"] + [(w["shape"], w["seconds"], w["status"])
+                                                                       for w in wedged]
+    refused = [t for _, t, s in heavy_rows if s in REFUSED]
+    refused_max = 1000 * max(refused) if refused else float("nan")
+    ok = [t for _, t, s in heavy_rows if s == 200]
+    probes = [w["probe_seconds"] for w in wedged if "probe_seconds" in w]
+    probe_max = 1000 * max(probes) if probes else float("nan")
+    ratio = p99_mixed / p99_alone
+    rss_ratio = rss["after"] / rss["before"]
+    code, exit_s, grace = shutdown["exit_code"], shutdown["seconds"], shutdown["limit"]
+
+    by_shape: dict[str, list] = collections.defaultdict(list)
+    for w in wedged:
+        by_shape[w["shape"]].append(w)
+    wedge_rows = []
+    for shape, rows in by_shape.items():
+        sts = collections.Counter(r["status"] for r in rows)
+        ref = [r["seconds"] for r in rows if r["status"] in REFUSED]
+        answered = [r["seconds"] for r in rows if r["status"] == 200]
+        after = [r["probe_seconds"] for r in rows if "probe_seconds" in r]
+        wedge_rows.append(
+            f"| {shape} | {len(rows)} | {', '.join(f'{s}: {n}' for s, n in sorted(sts.items()))} | "
+            f"{f'{1000 * max(ref):.0f} ms' if ref else '-'} | {latency_cells(answered)} | "
+            f"{f'{1000 * max(after):.0f} ms ({len(after)})' if after else '-'} |")
+    sd = collections.Counter(r["status"] for r in shutdown["requests"])
+
+    def verdict(passed: bool | None) -> str:
+        return "n/a" if passed is None else "PASS" if passed else "FAIL"
+
+    rules = [
+        ("5xx other than 503 (a 504 counts unless the request asked for a 2 s deadline)", n_5xx == 0,
+         f"{n_5xx}" + (f" ({', '.join(f'{k} {s}: {n}' for (k, s), n in sorted(bad_5xx.items()))})" if bad_5xx else "")
+         + f"; {asked_504} x 504 to requests that sent X-Request-Timeout 2"),
+        ("refused heavy/wedge requests (4xx, 503) answered within 100 ms", refused_max < 100 if refused else None,
+         f"max {refused_max:.0f} ms over {len(refused)}"),
+        (f"the request after a 504 or hang-up answered within 2 x slice_ms = {2 * slice_ms:g} ms",
+         probe_max <= 2 * slice_ms if probes else None,
+         f"max {probe_max:.0f} ms, p50 {percentile(probes, 0.5):.0f} ms over {len(probes)}"),
+        ("small requests' p99 with the heavy ones within 3x of alone", ratio <= 3, f"{ratio:.2f}x"),
+        ("server RSS after the run within 1.2x of before", rss_ratio <= 1.2, f"{rss_ratio:.2f}x"),
+        (f"after SIGTERM, exit 0 within drain_seconds + graceful_timeout_s = {grace:g} s",
+         code == 0 and exit_s <= grace, f"exit code {code} after {exit_s:.1f} s"),
+    ]
+    lines = [
+        f"## bench_service --abuse: mixed load, wedges, stalled uploads and hang-ups, {args.device}",
         "",
         f"- Machine: {machine()}",
         f"- Command: `{command()}`",
-        f"- Models: {Path(args.lm).name} ({args.lm}), n-gram {args.ngram}; server settings: "
-        f"{', '.join(settings)} (the rest default), {args.threads or os.cpu_count()} torch thread(s).",
+        f"- Models: {Path(args.lm).name if args.lm else '-'} ({args.lm}), n-gram {args.ngram}; server settings: "
+        f"{', '.join(settings)} (the rest default; slice_ms {slice_ms:g}, drain_seconds "
+        f"{server_settings.drain_seconds:g}, graceful_timeout_s {server_settings.graceful_timeout_s:g}), "
+        f"{args.threads or os.cpu_count()} torch thread(s).",
         f"- Load: {len(out)} requests at concurrency {max(args.concurrency)}, {args.heavy_share:.0%} near-limit "
         "(hypothesis lists of dev utterances near max_trie_nodes, alternating with packs of real dev lattices near "
         f"max_lattice_cost), the rest one utterance's 5-best list; meanwhile {args.stalls} stalled uploads (half a "
         f"head, or a head and half a body) and {args.disconnects} clients that send a near-limit request and hang up "
         "after 0.05-0.5 s. Baseline: the same small requests alone, first.",
+    ]
+    if wedged:
+        lines.append(
+            f"- Wedges: {len(by_shape)} shapes x {args.wedges}, sent by {args.wedge_clients} more clients, each when "
+            "the mix had done a random 5-80% of its requests: n-best lists of 200, 700 and 1000 hypotheses x 100 "
+            "words drawn from the 14 most frequent words; a fan lattice (0->1: 64 words, 1->2: 2000 words); a "
+            "sausage lattice (40 slots of 14 words); JSON nested 2000 deep to /rescore and 3000 deep to /score; the "
+            "1000-hypothesis list and the sausage with `X-Request-Timeout: 2`, and from a client that hangs up "
+            "after 1 s. After each 504 and hang-up, at once on a new connection, a 3-word request.")
+    lines += [
         "",
         "| measure | result | target |",
         "|---|---|---|",
-        f"| 5xx answers | {errors_5xx} | 0 |",
+        f"| 5xx answers other than 503 | {n_5xx} | 0 |",
         f"| lost requests (no answer) | {lost} | 0 |",
         f"| answers | {table} | all 200 |",
         f"| small requests' p99, alone / with the heavy ones | {p99_alone:.0f} ms / {p99_mixed:.0f} ms "
-        f"({p99_mixed / p99_alone:.2f}x) | within 3x |",
+        f"({ratio:.2f}x) | within 3x |",
         f"| heavy requests' p50 / p99 | {percentile(heavy_ms, 0.5):.0f} ms / {percentile(heavy_ms, 0.99):.0f} ms | |",
+        f"| heavy and wedge requests refused (4xx, 503): slowest | {refused_max:.0f} ms of {len(refused)} | "
+        "under 100 ms |",
+        f"| heavy and wedge requests answered 200: p50 / p90 / max | {latency_cells(ok)} ({len(ok)}) | |",
+        f"| request after a 504 or hang-up: p50 / max | {percentile(probes, 0.5):.0f} ms / {probe_max:.0f} ms "
+        f"({len(probes)}) | within 2 x slice_ms = {2 * slice_ms:g} ms |",
         f"| stalled uploads answered 408 or closed | {len(timed_out)} of {len(stalls)}, after at most "
         f"{max(timed_out, default=float('nan')):.1f} s (server: {counts['408']:.0f} 408s, "
         f"{counts['header_timeouts']:.0f} head timeouts) | all, within the timeouts |",
         f"| hang-ups whose work was stopped | {counts['requests_cancelled']:.0f} requests cancelled, "
-        f"{counts['work_cancelled']:.0f} jobs dropped or stopped | {args.disconnects} |",
-        f"| server RSS before / after | {rss[0]:.0f} MiB / {rss[1]:.0f} MiB ({rss[1] / rss[0]:.2f}x) | within 1.2x |",
+        f"{counts['work_cancelled']:.0f} jobs dropped or stopped | {args.disconnects} or more |",
+        f"| server RSS before / peak / after | {rss['before']:.0f} MiB / {rss['peak']:.0f} MiB / "
+        f"{rss['after']:.0f} MiB (after {rss_ratio:.2f}x before; peak of {rss['samples']} samples, 100 ms apart) | "
+        "after within 1.2x |",
+        f"| SIGTERM with {len(shutdown['requests'])} heavy and wedge requests in flight | exit code {code} after "
+        f"{exit_s:.1f} s; they got {', '.join(f'{s}: {n}' for s, n in sorted(sd.items()))} | 0, within {grace:g} s |",
         f"| wall time, alone / mixed | {seconds[0]:.1f} s / {seconds[1]:.1f} s | |",
         "",
         f"The heavy requests' latency is queueing: near the end of the run most of the {max(args.concurrency)} "
         f"clients wait on one, and they are served oldest first, about "
         f"{(seconds[1] - seconds[0]) / max(1, len(heavy_ms)):.2f} s of worker time each here; the limits are set so "
         "that the last one still finishes within request_timeout_s (30 s).",
-    ])
+    ]
+    if wedged:
+        lines += [
+            "",
+            "| wedge | sent | answers (499: the client hung up) | slowest refusal | 200: p50 / p90 / max | "
+            "request after it: slowest (n) |",
+            "|---|---|---|---|---|---|",
+            *wedge_rows,
+        ]
+    lines += ["", "Rules:", ""]
+    lines += [f"- {verdict(passed)}: {rule}: {result}" for rule, passed, result in rules]
+    summary = {
+        "settings": settings, "slice_ms": slice_ms, "statuses": {f"{k} {s}": n for (k, s), n in statuses.items()},
+        "lost": lost, "p99_small_alone_ms": p99_alone, "p99_small_mixed_ms": p99_mixed,
+        "refused_max_ms": refused_max, "ok_seconds": ok, "probes_seconds": probes, "rss_mib": rss,
+        "wedges": wedged, "shutdown": shutdown, "counts": counts, "seconds": {"alone": seconds[0], "mixed": seconds[1]},
+        "rules": [{"rule": rule, "result": result, "pass": passed} for rule, passed, result in rules],
+    }
+    return "\n".join(lines), summary
 
 
 def parse_args() -> argparse.Namespace:
@@ -442,7 +732,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--disconnects", type=int, default=50, help="--abuse: clients that hang up half-way")
     ap.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                     help="--abuse: server settings besides ABUSE_SETTINGS (repeatable)")
+    ap.add_argument("--wedges", type=int, default=3, help="--abuse: times each wedge shape is sent during the mix")
+    ap.add_argument("--no-wedges", dest="wedges", action="store_const", const=0, help="--abuse: no wedges")
+    ap.add_argument("--wedge-clients", type=int, default=4, help="--abuse: clients that send the wedges")
+    ap.add_argument("--doc", default=str(DOC), help="the markdown file whose section the run (re)writes")
+    ap.add_argument("--json", default=None, metavar="FILE", help="--abuse: also write the numbers to FILE")
     args = ap.parse_args()
+    if args.wedges < 0 or args.wedge_clients < 1:
+        ap.error("--wedges must be >= 0 and --wedge-clients >= 1")
     if args.threads is None and not args.device.startswith("cuda"):
         args.threads = 1
     for p in [args.lm, args.ngram, *args.nbest]:
@@ -488,7 +785,7 @@ def run_batching(args: argparse.Namespace) -> None:
     body = batching_report(args, shapes, results)
     print(body)
     if not args.no_write:
-        write_section(f"bench_service-{'cuda' if args.device.startswith('cuda') else 'cpu'}", body)
+        write_section(f"bench_service-{'cuda' if args.device.startswith('cuda') else 'cpu'}", body, Path(args.doc))
 
 
 def batching_report(args: argparse.Namespace, shapes: dict, results: dict) -> str:

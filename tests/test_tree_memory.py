@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 from smallstate_lm.errors import WorkLimitError
 from smallstate_lm.models import build_model, get_preset
 from smallstate_lm.models.transformer import tree_forest
-from smallstate_lm.scoring import DEFAULT_MAX_WORK_BYTES, NeuralScorer, PrefixTrie
+from smallstate_lm.scoring import DEFAULT_MAX_WORK_BYTES, NeuralScorer, PrefixTrie, trie_size
 from smallstate_lm.state import length_mask
 from smallstate_lm.vocab import EOS_ID, Vocabulary
 
@@ -158,6 +158,17 @@ def test_planned_sizes_are_those_of_the_tries_that_run():
     forest = tree_forest(tokens, torch.where(real, parents, -1) + 1, real)
     size = tries[0].size + tries[1].size
     assert (int(forest.depth.max()), len(forest.paths)) == (size.max_depth, size.path_len)
+
+
+def test_trie_sizes_from_sorted_arrays_are_those_of_the_tries():
+    """Admission sizes a request's tries without building them (`trie_size`): same nodes, depth and
+    leaf paths as the trie, with prefixes of other hypotheses, repeats and shared stems."""
+    for seed in range(200):
+        r = random.Random(seed)
+        seqs = [[r.randrange(4) for _ in range(r.randrange(1, 8))] for _ in range(r.randrange(1, 30))]
+        seqs += [s[: r.randrange(1, len(s) + 1)] for s in seqs[:3]] + seqs[:2]
+        assert trie_size(seqs) == PrefixTrie(seqs).size, seqs
+    assert trie_size([]) == PrefixTrie([]).size
 
 
 def test_a_cap_below_one_hypothesis_is_refused_before_any_work():

@@ -9,10 +9,11 @@ that touches the model and the GPU). A lone request is therefore not delayed, an
 while the worker computes new requests queue up, so batches grow with the load. With
 batching off each request is its own batch.
 
-The work of a batch is an iterator of steps (a chunk of hypothesis lists, one level of
-lattice expansion). The worker runs a batch for `slice_s`, then, when requests are
-queued, turns to them before it resumes: a long lattice holds a small request for one
-slice, not for its whole expansion. Started batches finish oldest first. A job whose
+The work of a batch is an iterator of steps (a piece of hypothesis lists, one LM call of
+a lattice level, each sized to a fraction of a slice by the cost model). The worker runs
+a batch for at most `slice_s`, and as soon as requests are queued it turns to them after
+the current step, before it resumes: a long lattice holds a small request for one step,
+not for its whole expansion. Started batches finish oldest first. A job whose
 request was cancelled or whose deadline passed is dropped from the queue, and the work
 function stops its work at the next step.
 """
@@ -36,10 +37,12 @@ log = logging.getLogger("smallstate_lm.service")
 class Job:
     """A unit of work: `payload` is what the work function computes, `cost` (tokens) counts
     against the batch budget, `deadline` (time.perf_counter seconds) is when its answer is
-    no longer wanted; the batcher sets the timestamps and the size of the batch it joined."""
+    no longer wanted, `seconds` the worker time it is expected to take; the batcher sets the
+    timestamps and the size of the batch it joined."""
 
-    def __init__(self, cost: int, payload: Any = None, deadline: float = math.inf):
+    def __init__(self, cost: int, payload: Any = None, deadline: float = math.inf, seconds: float = 0.0):
         self.cost = max(1, int(cost))
+        self.seconds = seconds  # the worker time it is expected to take
         self.payload = payload
         self.deadline = deadline
         self.cancelled = False  # the request gave up (client gone, deadline, shutdown)
@@ -79,11 +82,12 @@ class _Batch:
         self.seconds = 0.0
 
 
-def _advance(steps: Iterator[Any], budget_s: float) -> bool:
-    """Run steps for about `budget_s` seconds (on the worker thread); True when none are left."""
+def _advance(steps: Iterator[Any], budget_s: float, waiting: Callable[[], bool] = lambda: False) -> bool:
+    """Run steps for about `budget_s` seconds (on the worker thread), or until `waiting()` says new work is
+    queued; True when none are left."""
     end = time.perf_counter() + budget_s
     for _ in steps:
-        if time.perf_counter() >= end:
+        if time.perf_counter() >= end or waiting():
             return False
     return True
 
@@ -114,6 +118,13 @@ class Batcher:
     @property
     def depth(self) -> int:
         return len(self._queue)
+
+    def backlog(self) -> float:
+        """Expected worker seconds of the queued jobs and what is left of the started batches': what a
+        job that needs more than one slice waits for (started batches finish oldest first)."""
+        queued = sum(j.seconds for j in self._queue)
+        return queued + sum(max(0.0, sum(j.seconds for j in b.jobs if not j.expired()) - b.seconds)
+                            for b in self._running)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -253,7 +264,9 @@ class Batcher:
         """One slice of `run` on the worker; whether it is finished."""
         t0 = time.perf_counter()
         try:
-            done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s)
+            # a request queued meanwhile is turned to after the current step, not the whole slice
+            done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s,
+                                                    lambda: bool(self._queue))
         except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
             log.exception("batch of %d request(s) failed", len(run.jobs))
             for job in run.jobs:

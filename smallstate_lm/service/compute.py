@@ -31,15 +31,13 @@ from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
 from smallstate_lm.scoring import NeuralScorer, Weights, check_overlap, count_oov, oov_reference
 
 from .batcher import Job, drop_expired
-from .errors import DeadlineExceeded, ServiceError
+from .cost import CostModel, calibrate
+from .errors import DeadlineExceeded, ServiceError, Unavailable
 from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("smallstate_lm.service")
 _DONE = object()
-# Hypothesis lists are scored in steps of this many forward passes' worth of tokens (batch_tokens each): a big
-# request hands the worker back every few passes, and the passes stay full.
-CHUNK_PASSES = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,6 +56,11 @@ class NbestItem:
     context: int  # number of context words in front of every hypothesis of `scored`
     comps: Components | None = None
     cost: int = 0  # neural LM tokens computed (trie nodes)
+    depth: int = 0  # tokens of its longest hypothesis (with the context and </s>)
+    seconds: float = 0.0  # predicted by the cost model
+    # scored in pieces (hypothesis indices each) when one step would take too long; their LM scores meanwhile
+    neural_tok: list | None = None
+    ngram_tok: list | None = None
 
 
 @dataclass
@@ -66,6 +69,8 @@ class LatticeItem:
     n: int  # distinct word sequences to return
     hyps: list[dict] | None = None  # ExpandedLattice.nbest
     lm_steps: int = 0
+    seconds: float = 0.0  # predicted by the cost model: an upper bound (beam pruning is not foreseen)
+    nbytes: int = 0
 
 
 @dataclass
@@ -82,6 +87,9 @@ class Work:
     tokens_total: int = 0
     tokens_computed: int = 0
     lattice_arcs: int = 0
+    seconds: float = 0.0  # predicted: hypothesis lists, plus the lattices' upper bound
+    lattice_seconds: float = 0.0  # the lattices' part of it
+    nbytes: int = 0  # predicted peak working memory and LM state
     error: BaseException | None = None
 
     @property
@@ -167,6 +175,13 @@ def _ranked(sc: dict, id: str, words: list[str], rank: int, w: Weights, neural: 
                             n_words=sc["n_words"], n_oov=sc["n_oov"], expected_errors=sc.get("expected_errors"))
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation failure (host or device), which a retry later or a smaller request may not meet."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
+
+
 def _name(path: str | None) -> str:
     """What /v1/models and /metrics show of a model file: its run directory's or file's name. The server's
     filesystem layout is none of a client's business."""
@@ -193,7 +208,12 @@ class Compute:
         self.device = torch.device("cpu")
         self.weights = Weights()
         self.expand_config = ExpandConfig()
-        self.chunk_tokens = CHUNK_PASSES * 512
+        self.cost = CostModel()
+        # measured / predicted seconds of lattice expansion on this server (the prediction is an upper bound:
+        # beam pruning keeps real lattices far below it); learned as lattices finish
+        self.lattice_ratio = 0.1
+        # the time one step of the worker aims at: a new request waits for at most about one step
+        self.step_s = settings.slice_ms / 2000
         self.info: dict = {}  # what /v1/models shows
 
     # ---- loading -------------------------------------------------------------------------------
@@ -212,7 +232,8 @@ class Compute:
             raise ConfigError(f"device {s.device!r}: {e}") from None
         self.weights = Weights.load(s.weights) if s.weights else Weights()
         self.expand_config = ExpandConfig(max_ngram_order=None if s.exact else s.max_ngram_order, beam=s.beam,
-                                          max_per_state=s.max_per_state, max_states=s.max_states)
+                                          max_per_state=s.max_per_state, max_states=s.max_states,
+                                          max_level_bytes=s.max_level_bytes)
         if s.lm is not None:
             # load_model self-checks on this device (finite log-probs of a fixed sentence): a model that fails
             # raises CheckpointError here, and the service never becomes ready
@@ -220,9 +241,11 @@ class Compute:
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
                                        s.share_prefixes)
-            self.chunk_tokens = CHUNK_PASSES * batch_tokens
         if s.ngram is not None:
             self.ngram = NgramLM(s.ngram)
+        with torch.inference_mode():
+            self.cost = calibrate(self.neural, self.ngram)
+        log.info("cost model on %s: %s", self.device, self.cost)
         self._describe()
 
     def _describe(self) -> None:
@@ -298,21 +321,42 @@ class Compute:
     def work(self, kind: Literal["rescore", "score"], items: list[NbestItem | LatticeItem], fields: list[str],
              weights: Weights, nbest: int | None = None, token_logprobs: bool = False) -> Work:
         """A request's work with its token counts (the tokens its hypotheses have, the ones a
-        prefix-sharing scorer computes) and lattice arcs."""
+        prefix-sharing scorer computes), lattice arcs, and predicted seconds and bytes."""
         work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest,
                     token_logprobs=token_logprobs)
+        neural, ngram, cm = self.neural is not None, self.ngram is not None, self.cost
+        lattice_bytes = []
         for it, field in zip(items, fields):
             if isinstance(it, LatticeItem):
                 self._check_lattice_vocabulary(it.lattice, f"{field}.lattice")
                 work.lattice_arcs += it.lattice.num_arcs
+                est = cm.lattice(it.lattice, self.expand_config.max_per_state, self.expand_config.max_level_bytes,
+                                 neural, ngram)
+                it.seconds, it.nbytes = est.seconds, est.nbytes
+                work.lattice_seconds += est.seconds
+                lattice_bytes.append(est.nbytes)
                 continue
             seqs = [h.words for h in it.scored.hyps]
-            it.cost = sum(len(s) + 1 for s in seqs)
-            work.tokens_total += it.cost
+            tokens = sum(len(s) + 1 for s in seqs)
+            it.cost, it.depth = tokens, max(len(s) + 1 for s in seqs)
+            work.tokens_total += tokens
             if self.neural is not None:
-                it.cost = self.neural.estimate_cost([seqs]).trie_nodes  # before any work: no model call
+                est = self.neural.estimate_cost([seqs])  # before any work: no model call
+                it.cost = est.trie_nodes
                 work.tokens_computed += it.cost
+                work.nbytes = max(work.nbytes, est.nbytes)
+            it.seconds = cm.nbest_seconds(it.cost, it.depth, tokens, neural, ngram)
+            work.seconds += it.seconds
+        work.seconds += work.lattice_seconds
+        # lattices are expanded expand_config.batch_lattices at a time
+        together = self.expand_config.lattices_per_batch(neural)
+        work.nbytes = max(work.nbytes, sum(sorted(lattice_bytes)[-together:]))
         return work
+
+    def expected_seconds(self, work: Work) -> float:
+        """What the worker is expected to spend on `work`: hypothesis lists as predicted, lattices at the
+        share of their upper bound that this server's lattices have taken so far."""
+        return work.seconds - work.lattice_seconds + self.lattice_ratio * work.lattice_seconds
 
     def _check_lattice_vocabulary(self, lat: Lattice, field: str) -> None:
         """The overlap check of hypothesis lists, on a lattice's words: a lattice in the wrong
@@ -328,11 +372,11 @@ class Compute:
 
     # ---- the worker ----------------------------------------------------------------------------
     def run_batch(self, jobs: list[Job], deliver: Callable[[Job, Any], None]) -> Iterator[None]:
-        """Score every job (payload: Work) of a batch together, a step at a time: the hypothesis
-        lists and sentences of all jobs in chunks of about `chunk_tokens` computed tokens (one
-        `compute_components` call each), then the lattices, one `expand_many` per distinct weights,
-        a step per level. Each job gets its Result, or its error, from `deliver` as soon as it is
-        ready; the work of a job that expired (cancelled, past its deadline) stops at the next step.
+        """Score every job (payload: Work) of a batch together, a step of about `step_s` predicted
+        seconds at a time: the hypothesis lists and sentences of all jobs (small ones together, large
+        ones in pieces), then the lattices, one `expand_many` per distinct weights, a step per LM call
+        of a level. Each job gets its Result, or its error, from `deliver` as soon as it is ready; the
+        work of a job that expired (cancelled, past its deadline, shutdown) stops at the next step.
         The batcher runs the steps in time slices, between which other batches run."""
         steps = self._steps(jobs, deliver)
         while True:
@@ -409,29 +453,113 @@ class Compute:
             check_overlap(sents, self.ngram, "the n-gram")
 
     def _score_lists(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
-        """The jobs' hypothesis lists in chunks of about `chunk_tokens` computed tokens, a step each,
-        the smallest requests first; `done(job)` once a job's lists are scored (or it failed or stopped)."""
+        """The jobs' hypothesis lists, the smallest requests first, a step per about `step_s` of predicted
+        work: small lists share a `compute_components` call; a list predicted to take longer than a step
+        is scored in pieces of whole hypotheses (sharing their prefixes) that each fit one. `done(job)`
+        once a job's lists are scored (or it failed or stopped)."""
         jobs = sorted(jobs, key=lambda j: j.cost)
-        pairs = [(job, it) for job in jobs if job.payload.error is None
-                 for it in job.payload.items if isinstance(it, NbestItem)]
-        left = Counter(job for job, _ in pairs)
+        units = []  # (job, item, hypothesis indices of a piece or None for all, predicted seconds)
+        for job in jobs:
+            if job.payload.error is not None:
+                continue
+            for it in job.payload.items:
+                if isinstance(it, NbestItem):
+                    units += self._units(job, it)
+        left = Counter(job for job, *_ in units)
+        parts_left = Counter(id(it) for _, it, part, _ in units if part is not None)
         for job in jobs:
             if not left[job]:
                 done(job)
-        chunk, cost = [], 0
-        for k, (job, it) in enumerate(pairs):
-            chunk.append((job, it))
-            cost += it.cost
-            if cost >= self.chunk_tokens or k == len(pairs) - 1:
-                live = [(j, i) for j, i in chunk if not self._stop(j)]
-                if live:
-                    self._score_chunk(live)
-                for j, _ in chunk:
-                    left[j] -= 1
-                    if left[j] == 0:
-                        done(j)
-                chunk, cost = [], 0
+        chunk, seconds = [], 0.0
+        for k, unit in enumerate(units):
+            chunk.append(unit)
+            seconds += unit[3]
+            if seconds >= self.step_s or k == len(units) - 1:
+                live = [u for u in chunk if not self._stop(u[0])]
+                whole = [(job, it) for job, it, part, _ in live if part is None]
+                if whole:
+                    self._score_chunk(whole)
+                for job, it, part, _ in live:
+                    if part is not None:
+                        self._score_part(job, it, part)
+                        parts_left[id(it)] -= 1
+                        if parts_left[id(it)] == 0 and job.payload.error is None:
+                            it.comps = self._assembled(it)
+                for job, *_ in chunk:
+                    left[job] -= 1
+                    if left[job] == 0:
+                        done(job)
+                chunk, seconds = [], 0.0
                 yield
+
+    def _units(self, job: Job, it: NbestItem) -> list[tuple]:
+        """`it` as one unit of work, or as pieces of whole hypotheses (sorted, so that hypotheses sharing
+        a prefix stay together) of at most a step's worth of trie nodes each."""
+        hyps = it.scored.hyps
+        if it.seconds <= self.step_s or len(hyps) == 1:
+            return [(job, it, None, it.seconds)]
+        grain = self.cost.grain_nodes(it.depth, self.step_s) if self.neural is not None else \
+            max(1, int(self.step_s / self.cost.ngram_s))
+        order = sorted(range(len(hyps)), key=lambda j: hyps[j].words)
+        pieces, piece, nodes, prev = [], [], 0, None
+        for j in order:
+            words = hyps[j].words
+            common = 0
+            if prev is not None:
+                for x, y in zip(prev, words):
+                    if x != y:
+                        break
+                    common += 1
+            new = len(words) + 1 - common
+            if piece and nodes + new > grain:
+                pieces.append((piece, nodes))
+                piece, nodes, new = [], 0, len(words) + 1
+            piece.append(j)
+            nodes += new
+            prev = words
+        pieces.append((piece, nodes))
+        per_node = it.seconds / max(1, sum(n for _, n in pieces))
+        n = len(hyps)
+        it.neural_tok, it.ngram_tok = [None] * n, [None] * n
+        return [(job, it, np.array(p), per_node * k) for p, k in pieces]
+
+    def _score_part(self, job: Job, it: NbestItem, part: np.ndarray) -> None:
+        """The LM scores of some of `it`'s hypotheses (the request's vocabulary was checked as a whole)."""
+        words = [it.scored.hyps[j].words for j in part.tolist()]
+        try:
+            if self.neural is not None:
+                for j, t in zip(part.tolist(), self.neural.token_logprobs([words])[0]):
+                    it.neural_tok[j] = t
+            if self.ngram is not None:
+                for j, w in zip(part.tolist(), words):
+                    it.ngram_tok[j] = self.ngram.token_logprobs(w)
+        except Exception as e:
+            job.payload.error = self._failure(e, job.payload)
+
+    def _assembled(self, it: NbestItem) -> Components:
+        """The Components of a list scored in pieces, as `compute_components` gives them."""
+        hyps = it.scored.hyps
+        known = oov_reference(self.neural.vocab if self.neural is not None else None, self.ngram)
+        c = Components(am=np.array([h.am for h in hyps]), graph=np.array([h.graph for h in hyps]),
+                       n_words=np.array([len(h.words) for h in hyps], dtype=np.float64),
+                       n_oov=np.array([count_oov(h.words, known) for h in hyps], dtype=np.float64))
+        if self.neural is not None:
+            c.neural_tok, c.neural = it.neural_tok, np.array([t.sum() for t in it.neural_tok])
+        if self.ngram is not None:
+            c.ngram_tok, c.ngram = it.ngram_tok, np.array([t.sum() for t in it.ngram_tok])
+        it.neural_tok = it.ngram_tok = None
+        return c
+
+    def _failure(self, e: BaseException, w: Work, field: str | None = None) -> BaseException:
+        """What a job that raised `e` answers: the client's error (4xx), 503 when memory ran out (the
+        worker goes on), else the exception itself (a bug: 500, logged)."""
+        if isinstance(e, SmallstateError):
+            return self._as_service_error(e, w, field)
+        if _out_of_memory(e):
+            log.warning("a request ran out of memory: %s", str(e).split("\n")[0][:200])
+            return Unavailable("the server has not enough memory for this request now: retry later, or send it in "
+                               "smaller parts", retry_after=5)
+        return e
 
     def _score_chunk(self, pairs: list[tuple[Job, NbestItem]]) -> None:
         try:
@@ -445,15 +573,15 @@ class Compute:
             for job, it in pairs:
                 by_job[job].append(it)
             for job, items in by_job.items():
+                if self._stop(job):
+                    continue
                 try:
                     comps, _ = compute_components([it.scored for it in items], self.neural, self.ngram,
                                                   progress=False)
                     for it, c in zip(items, comps):
                         it.comps = c
-                except SmallstateError as e:
-                    job.payload.error = self._as_service_error(e, job.payload)
                 except Exception as e:
-                    job.payload.error = e
+                    job.payload.error = self._failure(e, job.payload)
 
     def _expand_lattices(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
         """The jobs' lattices, one expansion per distinct weights, a step per level; `done(job)`
@@ -475,16 +603,17 @@ class Compute:
 
     def _expand_group(self, members: list[tuple[Job, int, LatticeItem]],
                       finished: Callable[[Job], None]) -> Iterator[None]:
-        rescorer = build_rescorer(members[0][0].payload.weights, self.loaded, self.ngram, self.expand_config,
-                                  self.device)
+        """One expansion of lattices sharing weights, paused after every LM call of about `step_s`. When it
+        fails, the lattices not yet done are expanded one at a time, with the same stops and pauses, to find
+        the one that fails."""
         accounted: set[int] = set()
+        spent = [0.0]
 
         def failed(i: int, e: BaseException) -> None:
             job, k, _ = members[i]
             w = job.payload
             if w.error is None:
-                w.error = self._as_service_error(e, w, f"{w.fields[k]}.lattice") if isinstance(e, SmallstateError) \
-                    else e
+                w.error = self._failure(e, w, f"{w.fields[k]}.lattice")
 
         def take(i: int, exp) -> None:
             job, _, it = members[i]
@@ -493,25 +622,38 @@ class Compute:
             accounted.add(i)
             finished(job)
 
-        def stop(i: int) -> bool:  # between levels: a lattice of a failed or expired job is dropped
+        def stop(i: int) -> bool:  # between LM calls: a lattice of a failed or expired job is dropped
             return self._stop(members[i][0])
 
-        try:
-            for out in rescorer.expand_many([it.lattice for _, _, it in members], on_error=failed, should_stop=stop,
+        def run(indices: list[int]) -> Iterator[None]:
+            rescorer = build_rescorer(members[0][0].payload.weights, self.loaded, self.ngram, self.expand_config,
+                                      self.device)
+            rescorer.rows_per_call = lambda step: self.cost.rows_per_call(step + 2, self.step_s)
+            t = time.perf_counter()
+            for out in rescorer.expand_many([members[i][2].lattice for i in indices], on_error=lambda k, e:
+                                            failed(indices[k], e), should_stop=lambda k: stop(indices[k]),
                                             pause=True):
                 if out is not None:
-                    take(*out)
+                    take(indices[out[0]], out[1])
+                spent[0] += time.perf_counter() - t
                 yield
+                t = time.perf_counter()
+            spent[0] += time.perf_counter() - t
+
+        try:
+            yield from run(list(range(len(members))))
         except Exception:
             log.warning("merged lattice expansion failed; expanding the rest one by one", exc_info=True)
-            for i, (_, _, it) in enumerate(members):
+            for i in range(len(members)):
                 if i in accounted or stop(i):
                     continue
                 try:
-                    take(i, rescorer.expand(it.lattice))
+                    yield from run([i])
                 except Exception as e:
                     failed(i, e)
-                yield
+        bound = sum(it.seconds for i, (_, _, it) in enumerate(members) if i in accounted)
+        if bound > 0 and spent[0] > 0:  # learn what share of the bound this server's lattices take
+            self.lattice_ratio = min(1.0, max(0.01, 0.8 * self.lattice_ratio + 0.2 * spent[0] / bound))
         for i, (job, _, _) in enumerate(members):  # failed or stopped: answered with their error
             if i not in accounted:
                 finished(job)

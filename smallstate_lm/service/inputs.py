@@ -47,16 +47,25 @@ def rescore_work(body: RescoreRequest, compute: Compute, s: Settings) -> Work:
             items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest))
         fields.append(where)
     work = compute.work("rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
-    _check_trie_nodes(work, "utterances", s)
+    _check_cost(work, "utterances", s)
     return work
 
 
-def _check_trie_nodes(work: Work, field: str, s: Settings) -> None:
-    """The neural LM tokens the request's hypotheses need computed, against the limit, before any work."""
+def _check_cost(work: Work, field: str, s: Settings) -> None:
+    """The request's estimated cost against the limits, before any work: the neural LM tokens its
+    hypotheses need computed, and the seconds and bytes the cost model predicts."""
     if work.tokens_computed > s.max_trie_nodes:
         raise CostLimitError(f"the request's hypotheses need {work.tokens_computed} neural LM tokens computed "
                              f"(unique prefixes), more than the limit of {s.max_trie_nodes} (max_trie_nodes)",
                              field, s.max_trie_nodes)
+    if work.seconds > s.max_request_seconds:
+        raise CostLimitError(f"the request would take up to {work.seconds:.1f} s on this server (predicted by its "
+                             f"cost model), more than the limit of {s.max_request_seconds:g} s (max_request_seconds)",
+                             field, s.max_request_seconds)
+    if work.nbytes > s.max_request_bytes:
+        raise CostLimitError(f"the request would need up to {work.nbytes / 2**20:.0f} MiB of working memory "
+                             f"(predicted by the cost model), more than the limit of "
+                             f"{s.max_request_bytes / 2**20:.0f} MiB (max_request_bytes)", field, s.max_request_bytes)
 
 
 def lattice_cost(lat: Lattice, max_per_state: int) -> int:
@@ -105,7 +114,7 @@ def score_work(body: ScoreRequest, compute: Compute, s: Settings) -> Work:
         items.append(compute.nbest_item(Utterance(str(i), [Hypothesis(words=words)]), []))
         fields.append(f"sentences[{i}]")
     work = compute.work("score", items, fields, compute.weights, token_logprobs=body.return_token_logprobs)
-    _check_trie_nodes(work, "sentences", s)
+    _check_cost(work, "sentences", s)
     return work
 
 

@@ -74,10 +74,13 @@ TIMEOUT_HEADER = "x-request-timeout"
 INLINE_BYTES = 32 * 1024  # bodies parsed on the event loop (~1 ms); larger ones in a thread
 INLINE_WORDS = 1000  # words (roughly) a request may have to be prepared on the event loop
 INLINE_HYPOTHESES = 100  # and hypotheses its answer may have to be built there too (~0.5 ms)
-# Freed memory is handed back to the OS after a request this large, and when the worker goes idle after this
-# much work (tokens computed + lattice arcs): the allocator keeps what a burst freed otherwise.
+# Freed memory is handed back to the OS after a request body this large, and when the worker goes idle with the
+# process this much larger than after warm-up: the allocator keeps what a burst freed otherwise.
 LARGE_BYTES = 2**20
-RELEASE_COST = 20_000
+# A request is admitted when its predicted seconds times this fit in what is left of its deadline: the worker
+# turns to newer requests between its steps, so a long request gets less than all of it.
+HEADROOM = 1.5
+RELEASE_GROWTH = 64 * 2**20
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in (
     (400, "Malformed JSON."), (401, "Missing or wrong API key."),
     (408, "The body did not arrive within body_timeout_s."),
@@ -109,7 +112,7 @@ class Service:
         self.failed: str | None = None  # why the model may not serve, once known
         self.stop_at = math.inf  # once shutting down: when every request gets its answer (perf_counter seconds)
         self.stopping = asyncio.Event()
-        self._work_since_release = 0
+        self.rss_base = 0  # the process's size after warm-up
         self._releasing = False
 
     async def start(self) -> None:
@@ -128,6 +131,8 @@ class Service:
                 log.info("warm-up request answered: %s", result)
 
         await self.batcher.run_now(jobs, answered)  # straight to the worker: no batching wait
+        await run_in_threadpool(_release_memory)
+        self.rss_base = _rss_bytes()
         self.batcher.start()
         self.ready = True
         self.metrics.ready.set(1)
@@ -150,8 +155,9 @@ class Service:
         self.batcher.begin_shutdown(stop_at)
 
     def _idle(self, cost: int) -> None:
-        self._work_since_release += cost
-        if self._work_since_release >= RELEASE_COST:
+        """The worker has nothing to do: when the work since it was last idle left the process well above its
+        size after warm-up (a large lattice's states, a long list's activations), the memory goes back."""
+        if _rss_bytes() > self.rss_base + RELEASE_GROWTH:
             self.release_memory()
 
     def release_memory(self) -> None:
@@ -159,7 +165,6 @@ class Service:
         if self._releasing:
             return
         self._releasing = True
-        self._work_since_release = 0
 
         def done(_) -> None:
             self._releasing = False
@@ -209,7 +214,8 @@ class Service:
             raise Unavailable("the model failed its start-up check" if self.failed else "the model is still loading",
                               retry_after=2)
         deadline = request.scope.get(T0, time.perf_counter()) + timeout
-        job = Job(work.cost, work, deadline=min(deadline, self.stop_at))
+        job = Job(work.cost, work, deadline=min(deadline, self.stop_at), seconds=self.compute.expected_seconds(work))
+        self._admit(job, work, deadline - time.perf_counter(), timeout)
         self.arrived(request.scope)  # no await between this and queueing: the collector sees one or the other
         future = self.batcher.submit(job)
         gone = asyncio.ensure_future(_disconnected(request.receive))
@@ -231,6 +237,30 @@ class Service:
             raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
         raise DeadlineExceeded(f"no answer within the request's deadline of {timeout:g} s (X-Request-Timeout, at "
                                f"most request_timeout_s); its work was stopped", limit=timeout)
+
+
+    def _admit(self, job: Job, work: Work, remaining: float, timeout: float) -> None:
+        """Refuse at once, before any work, a request whose answer cannot come in time: alone (413) or
+        behind the work already queued (503 with Retry-After). Hypothesis lists are predicted closely and
+        must fit in their deadline with room for the other requests that share the worker (HEADROOM);
+        lattices only have an upper bound, and count as the share of it that this server's lattices
+        took so far. A request of one slice is always let in: the worker turns to new requests after
+        every step."""
+        field = "sentences" if work.kind == "score" else "utterances"
+        lists = work.seconds - work.lattice_seconds
+        if lists * HEADROOM > remaining:
+            raise CostLimitError(f"the request's hypothesis lists would take about {lists:.1f} s on this server "
+                                 f"(predicted by its cost model), more than its deadline allows ({remaining:.1f} s "
+                                 f"left of {timeout:g} s, of which the worker shares a part with other requests)",
+                                 field, timeout)
+        own = job.seconds
+        if own <= self.batcher.slice_s:
+            return
+        backlog = self.batcher.backlog()
+        if (backlog + own) * HEADROOM > remaining:
+            raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and this request "
+                              f"about {own:.1f} s, more than its deadline allows ({remaining:.1f} s left); retry "
+                              "later", retry_after=max(1, math.ceil(backlog)))
 
 
 async def _disconnected(receive) -> None:
@@ -286,6 +316,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def _rss_bytes() -> int:
+    """The process's resident size (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _release_memory() -> None:

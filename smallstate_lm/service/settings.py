@@ -64,6 +64,12 @@ class Settings:
     # histories its source state may hold: the paths into it, at most max_per_state).
     max_trie_nodes: int = 200_000
     max_lattice_cost: int = 2_000_000
+    # Predicted by the cost model calibrated at warm-up (docs/service.md, "The cost model"): a request's seconds
+    # on this device and its peak bytes of working memory and LM state; 413 beyond them.
+    max_request_seconds: float = 60.0
+    max_request_bytes: int = 2 * 2**30
+    # LM state bytes one level of one lattice may create; beyond it the level keeps its best states only
+    max_level_bytes: int = 64 * 2**20
     # ---- deadlines and timeouts -------------------------------------------------------------
     request_timeout_s: float = 30.0  # deadline of a request (from its first byte); X-Request-Timeout may shorten it
     header_timeout_s: float = 10.0  # a request's head must arrive within this (else the connection is closed)
@@ -80,14 +86,14 @@ class Settings:
             raise ConfigError(f"setting batch_tokens must be >= 1, got {self.batch_tokens}")
         positive = ("max_states", "lattice_nbest", "max_batch_tokens", "max_queue", "max_body_bytes",
                     "max_utterances", "max_hypotheses", "max_words", "max_lattice_arcs", "max_nbest", "max_per_state",
-                    "max_ngram_order", "max_trie_nodes", "max_lattice_cost")
+                    "max_ngram_order", "max_trie_nodes", "max_lattice_cost", "max_request_bytes", "max_level_bytes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_wait_ms", "drain_seconds", "graceful_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms"):
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms", "max_request_seconds"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"setting {name} must be positive and finite, got {getattr(self, name)}")
         if self.beam <= 0:

@@ -1,0 +1,166 @@
+"""The service's cost model: what a request will cost in seconds and bytes, known before any work.
+
+At warm-up the loaded model is timed on the device it runs on (`calibrate`): tree scoring of
+prefix tries (seconds per trie node, growing with the depth of the nodes' histories), one LM
+step of lattice expansion (seconds per row, growing with the positions its state holds) and
+KenLM lookups. From those numbers a request's seconds and peak bytes are predicted
+(`CostModel.estimate`), requests are admitted or refused on them, and the worker's grains (trie
+nodes per step, lattice rows per LM call) are sized so that one grain takes about `slice_ms`.
+
+The model is linear and deliberately simple: a hypothesis list costs its trie nodes times the
+per-node time at its deepest node, plus its tokens' n-gram lookups; a lattice costs, per level, the
+LM steps it may take (per word arc, the paths into its source state, at most `max_per_state`:
+an upper bound, the same one as `max_lattice_cost`) times the per-row time at that level's
+history length, with the rows of a level capped by what `max_level_bytes` lets it keep.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from smallstate_lm.rescoring.lattice import Lattice
+
+
+@dataclass
+class Estimate:
+    seconds: float
+    nbytes: int
+
+
+@dataclass
+class CostModel:
+    """Seconds per unit of work on this server's device (defaults: a small model on a slow CPU, used
+    until `calibrate` has measured the real ones) and the LM state's bytes."""
+
+    node_s: float = 2e-4  # tree scoring, per trie node ...
+    node_depth_s: float = 2e-6  # ... plus this per node and position of its history
+    row_s: float = 2e-4  # one lattice LM step, per row ...
+    row_pos_s: float = 4e-6  # ... plus this per row and position of its state
+    ngram_s: float = 2e-6  # one KenLM lookup
+    arc_s: float = 2e-6  # bookkeeping per lattice arc and expansion of its source state
+    state_bytes_per_position: int = 0
+    state_bytes_fixed: int = 0
+    calibrated: bool = False
+
+    # ---- units -----------------------------------------------------------------------------------
+    def per_node(self, depth: int) -> float:
+        return self.node_s + self.node_depth_s * depth
+
+    def per_row(self, positions: int) -> float:
+        return self.row_s + self.row_pos_s * positions
+
+    def grain_nodes(self, depth: int, budget_s: float) -> int:
+        """Trie nodes of histories up to `depth` that tree scoring gets through in about `budget_s`."""
+        return max(8, int(budget_s / self.per_node(depth)))
+
+    def rows_per_call(self, positions: int, budget_s: float) -> int:
+        """Lattice LM rows of `positions`-long states that one step gets through in about `budget_s`."""
+        return max(8, int(budget_s / self.per_row(positions)))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def nbest_seconds(self, nodes: int, depth: int, tokens: int, neural: bool, ngram: bool) -> float:
+        return (nodes * self.per_node(depth) if neural else 0.0) + (tokens * self.ngram_s if ngram else 0.0)
+
+    def lattice(self, lat: Lattice, max_per_state: int, max_level_bytes: int | None, neural: bool,
+                ngram: bool) -> Estimate:
+        """Seconds and peak LM state bytes of expanding the prepared `lat`, per level: its word arcs
+        (and finals) times the histories of their source states (the paths into it, at most
+        `max_per_state`), each row holding its level's positions; a level's rows are capped by
+        `max_level_bytes`, as the expansion caps them."""
+        n = lat.num_states
+        src, dst = lat.src.tolist(), lat.dst.tolist()
+        paths, depth = [0] * n, [0] * n
+        paths[lat.start] = 1
+        for a, b in zip(src, dst):  # prepared: topological states, arcs sorted by source
+            paths[b] = min(max_per_state, paths[b] + paths[a])
+            if depth[a] + 1 > depth[b]:
+                depth[b] = depth[a] + 1
+        paths_a, depth_a = np.array(paths, dtype=np.int64), np.array(depth, dtype=np.int64)
+        words = lat.symbols.word_flags(lat.word)
+        at = np.concatenate([lat.src[words], np.flatnonzero(lat.is_final())])
+        rows = np.bincount(depth_a[at], weights=paths_a[at], minlength=1)  # LM steps per level
+        positions = np.arange(len(rows)) + 2  # <s> and the step itself
+        steps = float(rows.sum())
+        row_bytes = positions * self.state_bytes_per_position + self.state_bytes_fixed
+        if neural and max_level_bytes is not None and self.state_bytes_per_position:
+            rows = np.minimum(rows, np.maximum(1, max_level_bytes // np.maximum(1, row_bytes)))
+        seconds = float((rows * (self.row_s + self.row_pos_s * positions)).sum()) if neural else 0.0
+        seconds += steps * self.ngram_s * ngram + len(src) * self.arc_s * float(paths_a[lat.src].mean() if n else 0)
+        # a level's new states, the gathered states of its parents and the level before it still held
+        peak = int(3 * (rows * row_bytes).max()) if neural and len(rows) else 0
+        return Estimate(seconds, peak)
+
+
+def calibrate(neural, ngram) -> CostModel:
+    """Time the loaded models on their device (about a second on a slow CPU)."""
+    cm = CostModel()
+    if neural is not None:
+        model = neural.model
+        size = next(model.parameters()).element_size()
+        cm.state_bytes_per_position = model.state_numel_per_position() * size
+        cm.state_bytes_fixed = model.state_numel_fixed() * size
+        _calibrate_tree(cm, neural)
+        _calibrate_steps(cm, neural)
+    if ngram is not None:
+        _calibrate_ngram(cm, ngram)
+    cm.calibrated = True
+    return cm
+
+
+def _timed(fn, repeats: int = 2) -> float:
+    fn()  # kernels, caches and the allocator warm
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _calibrate_tree(cm: CostModel, neural) -> None:
+    """Two tries of about the same nodes, shallow and deep: per node = node_s + node_depth_s * depth."""
+    shapes = ((32, 4), (4, 32))  # hypotheses x words
+    secs = []
+    for hyps, length in shapes:
+        rng = random.Random(hyps)
+        vocab = neural.vocab.words[4:] or ["a"]
+        seqs = [[rng.choice(vocab) for _ in range(length)] for _ in range(hyps)]
+        nodes = neural.estimate_cost([seqs]).trie_nodes
+        secs.append((_timed(lambda seqs=seqs: neural.token_logprobs([seqs])) / max(1, nodes), length + 1))
+    (s1, d1), (s2, d2) = secs
+    slope = max(0.0, (s2 - s1) / (d2 - d1))
+    cm.node_depth_s, cm.node_s = slope, max(1e-9, s1 - slope * d1)
+
+
+def _calibrate_steps(cm: CostModel, neural) -> None:
+    """One LM step of 64 rows after short and long histories: per row = row_s + row_pos_s * positions."""
+    import torch
+
+    model, device, rows = neural.model, neural.device, 64
+    out = []
+    for length in (1, 32):
+        gen = torch.Generator().manual_seed(length)
+        hist = torch.randint(4, len(neural.vocab), (rows, length), generator=gen).to(device)
+        step = torch.randint(4, len(neural.vocab), (rows, 1), generator=gen).to(device)
+        with torch.inference_mode():
+            _, state = model.score(hist, model.initial_state(rows, device))
+
+            def one(step=step, state=state) -> None:
+                model.score(step, state)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
+            out.append((_timed(one, 3) / rows, length + 2))
+    (s1, p1), (s2, p2) = out
+    slope = max(0.0, (s2 - s1) / (p2 - p1))
+    cm.row_pos_s, cm.row_s = slope, max(1e-9, s1 - slope * p1)
+
+
+def _calibrate_ngram(cm: CostModel, ngram) -> None:
+    words = ["the", "of", "and", "to", "in", "that", "he", "shall"] * 64
+    cm.ngram_s = max(1e-9, _timed(lambda: ngram.token_logprobs(words)) / (len(words) + 1))
