@@ -109,6 +109,7 @@ class Batcher:
         self._queue: collections.deque[Job] = collections.deque()
         self._queued_cost = 0
         self._running: collections.deque[_Batch] = collections.deque()  # started, not finished
+        self._current: _Batch | None = None  # the one on the worker now
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,8 +124,8 @@ class Batcher:
         """Expected worker seconds of the queued jobs and what is left of the started batches': what a
         job that needs more than one slice waits for (started batches finish oldest first)."""
         queued = sum(j.seconds for j in self._queue)
-        return queued + sum(max(0.0, sum(j.seconds for j in b.jobs if not j.expired()) - b.seconds)
-                            for b in self._running)
+        started = [*self._running, *([self._current] if self._current is not None else [])]
+        return queued + sum(max(0.0, sum(j.seconds for j in b.jobs if not j.expired()) - b.seconds) for b in started)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -171,7 +172,8 @@ class Batcher:
     def begin_shutdown(self, stop_at: float) -> None:
         """Refuse new jobs; every job queued or running gets `stop_at` as its latest deadline."""
         self._closing = True
-        for job in [*self._queue, *(j for b in self._running for j in b.jobs)]:
+        current = [self._current] if self._current is not None else []
+        for job in [*self._queue, *(j for b in [*self._running, *current] for j in b.jobs)]:
             job.deadline = min(job.deadline, stop_at)
         if self._wake is not None:
             self._wake.set()
@@ -263,6 +265,7 @@ class Batcher:
     async def _step(self, run: _Batch) -> bool:
         """One slice of `run` on the worker; whether it is finished."""
         t0 = time.perf_counter()
+        self._current = run
         try:
             # a request queued meanwhile is turned to after the current step, not the whole slice
             done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s,
@@ -272,6 +275,8 @@ class Batcher:
             for job in run.jobs:
                 self._resolve(job.future, e)
             done = True
+        finally:
+            self._current = None
         run.seconds += time.perf_counter() - t0
         if done:
             self._cost_since_idle += run.cost

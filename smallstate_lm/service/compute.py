@@ -345,7 +345,7 @@ class Compute:
                 it.cost = est.trie_nodes
                 work.tokens_computed += it.cost
                 work.nbytes = max(work.nbytes, est.nbytes)
-            it.seconds = cm.nbest_seconds(it.cost, it.depth, tokens, neural, ngram)
+            it.seconds = cm.nbest_seconds(it.cost, it.depth, tokens, neural, ngram, self.step_s)
             work.seconds += it.seconds
         work.seconds += work.lattice_seconds
         # lattices are expanded expand_config.batch_lattices at a time
@@ -518,10 +518,10 @@ class Compute:
             nodes += new
             prev = words
         pieces.append((piece, nodes))
-        per_node = it.seconds / max(1, sum(n for _, n in pieces))
+        per_node = (it.seconds - len(pieces) * self.cost.call_s) / max(1, sum(n for _, n in pieces))
         n = len(hyps)
         it.neural_tok, it.ngram_tok = [None] * n, [None] * n
-        return [(job, it, np.array(p), per_node * k) for p, k in pieces]
+        return [(job, it, np.array(p), self.cost.call_s + per_node * k) for p, k in pieces]
 
     def _score_part(self, job: Job, it: NbestItem, part: np.ndarray) -> None:
         """The LM scores of some of `it`'s hypotheses (the request's vocabulary was checked as a whole)."""
@@ -566,10 +566,13 @@ class Compute:
             comps, _ = compute_components([it.scored for _, it in pairs], self.neural, self.ngram, progress=False)
             for (_, it), c in zip(pairs, comps):
                 it.comps = c
-        except Exception:
+        except Exception as e:
             # One request must not fail the others: score them one by one to find the culprit.
-            log.warning("merged batch failed; scoring its requests one by one", exc_info=True)
             by_job: dict[Job, list[NbestItem]] = defaultdict(list)
+            if len({job for job, _ in pairs}) == 1:
+                pairs[0][0].payload.error = self._failure(e, pairs[0][0].payload)
+                return
+            log.warning("merged batch failed; scoring its requests one by one", exc_info=not _out_of_memory(e))
             for job, it in pairs:
                 by_job[job].append(it)
             for job, items in by_job.items():
@@ -642,10 +645,16 @@ class Compute:
 
         try:
             yield from run(list(range(len(members))))
-        except Exception:
-            log.warning("merged lattice expansion failed; expanding the rest one by one", exc_info=True)
-            for i in range(len(members)):
-                if i in accounted or stop(i):
+        except Exception as e:
+            rest = [i for i in range(len(members)) if i not in accounted]
+            if len(rest) == 1:
+                failed(rest[0], e)
+                rest = []
+            else:
+                log.warning("merged lattice expansion failed; expanding the rest one by one",
+                            exc_info=not _out_of_memory(e))
+            for i in rest:
+                if stop(i):
                     continue
                 try:
                     yield from run([i])

@@ -38,7 +38,8 @@ class CostModel:
     until `calibrate` has measured the real ones) and the LM state's bytes."""
 
     node_s: float = 2e-4  # tree scoring, per trie node ...
-    node_depth_s: float = 2e-6  # ... plus this per node and position of its history
+    node_depth_s: float = 2e-6  # ... plus this per node and position of its history ...
+    call_s: float = 1e-3  # ... plus this per scoring call (a small piece costs more per node than a large one)
     row_s: float = 2e-4  # one lattice LM step, per row ...
     row_pos_s: float = 4e-6  # ... plus this per row and position of its state
     ngram_s: float = 2e-6  # one KenLM lookup
@@ -55,16 +56,22 @@ class CostModel:
         return self.row_s + self.row_pos_s * positions
 
     def grain_nodes(self, depth: int, budget_s: float) -> int:
-        """Trie nodes of histories up to `depth` that tree scoring gets through in about `budget_s`."""
-        return max(8, int(budget_s / self.per_node(depth)))
+        """Trie nodes of histories up to `depth` that one tree-scoring call gets through in about `budget_s`."""
+        return max(8, int((budget_s - self.call_s) / self.per_node(depth)))
 
     def rows_per_call(self, positions: int, budget_s: float) -> int:
         """Lattice LM rows of `positions`-long states that one step gets through in about `budget_s`."""
         return max(8, int(budget_s / self.per_row(positions)))
 
     # ---- requests -----------------------------------------------------------------------------
-    def nbest_seconds(self, nodes: int, depth: int, tokens: int, neural: bool, ngram: bool) -> float:
-        return (nodes * self.per_node(depth) if neural else 0.0) + (tokens * self.ngram_s if ngram else 0.0)
+    def nbest_seconds(self, nodes: int, depth: int, tokens: int, neural: bool, ngram: bool, step_s: float) -> float:
+        """A hypothesis list of `nodes` trie nodes (its deepest `depth`) and `tokens` tokens, scored in calls
+        of at most a step's worth of nodes."""
+        seconds = tokens * self.ngram_s if ngram else 0.0
+        if neural:
+            calls = max(1, math.ceil(nodes / self.grain_nodes(depth, step_s)))
+            seconds += calls * self.call_s + nodes * self.per_node(depth)
+        return seconds
 
     def lattice(self, lat: Lattice, max_per_state: int, max_level_bytes: int | None, neural: bool,
                 ngram: bool) -> Estimate:
@@ -123,18 +130,22 @@ def _timed(fn, repeats: int = 2) -> float:
 
 
 def _calibrate_tree(cm: CostModel, neural) -> None:
-    """Two tries of about the same nodes, shallow and deep: per node = node_s + node_depth_s * depth."""
-    shapes = ((32, 4), (4, 32))  # hypotheses x words
-    secs = []
-    for hyps, length in shapes:
-        rng = random.Random(hyps)
-        vocab = neural.vocab.words[4:] or ["a"]
+    """Two tries of about the same nodes, shallow and as deep as long hypotheses go: per node = node_s +
+    node_depth_s * depth; then a small one for what a call costs beyond its nodes."""
+    vocab = neural.vocab.words[4:] or ["a"]
+
+    def seconds_per_node(hyps: int, length: int) -> tuple[float, int]:
+        rng = random.Random(hyps * 1000 + length)
         seqs = [[rng.choice(vocab) for _ in range(length)] for _ in range(hyps)]
         nodes = neural.estimate_cost([seqs]).trie_nodes
-        secs.append((_timed(lambda seqs=seqs: neural.token_logprobs([seqs])) / max(1, nodes), length + 1))
-    (s1, d1), (s2, d2) = secs
+        return _timed(lambda: neural.token_logprobs([seqs])) / max(1, nodes), nodes
+
+    (s1, _), (s2, _) = seconds_per_node(64, 8), seconds_per_node(4, 128)
+    d1, d2 = 9, 129  # depths (with </s>)
     slope = max(0.0, (s2 - s1) / (d2 - d1))
     cm.node_depth_s, cm.node_s = slope, max(1e-9, s1 - slope * d1)
+    s3, nodes = seconds_per_node(1, 16)
+    cm.call_s = max(0.0, nodes * (s3 - cm.per_node(17)))
 
 
 def _calibrate_steps(cm: CostModel, neural) -> None:

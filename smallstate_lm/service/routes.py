@@ -244,8 +244,9 @@ class Service:
         behind the work already queued (503 with Retry-After). Hypothesis lists are predicted closely and
         must fit in their deadline with room for the other requests that share the worker (HEADROOM);
         lattices only have an upper bound, and count as the share of it that this server's lattices
-        took so far. A request of one slice is always let in: the worker turns to new requests after
-        every step."""
+        took so far. A request of one slice is always let in (the worker turns to new requests after
+        every step), and so is any when nothing is queued ahead of it: its own estimate is checked above,
+        as far as it is reliable."""
         field = "sentences" if work.kind == "score" else "utterances"
         lists = work.seconds - work.lattice_seconds
         if lists * HEADROOM > remaining:
@@ -257,7 +258,7 @@ class Service:
         if own <= self.batcher.slice_s:
             return
         backlog = self.batcher.backlog()
-        if (backlog + own) * HEADROOM > remaining:
+        if backlog > self.batcher.slice_s and (backlog + own) * HEADROOM > remaining:
             raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and this request "
                               f"about {own:.1f} s, more than its deadline allows ({remaining:.1f} s left); retry "
                               "later", retry_after=max(1, math.ceil(backlog)))
