@@ -23,7 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import DATA
 from test_server import Server, _check, _metric, post, utt
-from test_service_abuse import _rss_mib, answered, metrics, on_worker, raw_request, read_response, wait_until
+from test_service_abuse import (
+    _rss_mib,
+    answered,
+    batches_settled,
+    metrics,
+    on_worker,
+    raw_request,
+    read_response,
+    wait_until,
+)
 
 # The most frequent words of the training text: in the tiny LM's vocabulary and the n-gram's.
 WORDS = [w for w, _ in collections.Counter((DATA / "train.txt").read_text().split()).most_common(2100)]
@@ -76,7 +85,7 @@ def test_small_requests_are_served_while_a_deep_list_is_scored_and_a_hang_up_sto
 
 
 def test_a_list_that_cannot_meet_its_deadline_is_refused_before_any_work(deep):
-    batches0 = _metric(metrics(deep), "smallstate_batch_requests_count")
+    batches0 = batches_settled(deep)
     r = post(deep, "/rescore", deep_list(), {"X-Request-Timeout": "1"})
     body = _check(r, 413, field="utterances", limit=1)
     assert "predicted" in body["detail"] and "deadline" in body["detail"], body
