@@ -10,10 +10,11 @@ while the worker computes new requests queue up, so batches grow with the load. 
 batching off each request is its own batch.
 
 The work of a batch is an iterator of steps (a piece of hypothesis lists, one LM call of
-a lattice level, each sized to a fraction of a slice by the cost model). The worker runs
-a batch for at most `slice_s`, and as soon as requests are queued it turns to them after
-the current step, before it resumes: a long lattice holds a small request for one step,
-not for its whole expansion. Started batches finish oldest first. A job whose
+a lattice level, each sized to about a slice by the cost model). The worker runs a batch
+for at most `slice_s`, and, when the batch is expected to take longer than a slice, turns
+to requests queued meanwhile as soon as its current step ends, before it resumes: a long
+lattice holds a small request for one step, not for its whole expansion. Started batches
+finish oldest first. A job whose
 request was cancelled or whose deadline passed is dropped from the queue, and the work
 function stops its work at the next step.
 """
@@ -267,9 +268,11 @@ class Batcher:
         t0 = time.perf_counter()
         self._current = run
         try:
-            # a request queued meanwhile is turned to after the current step, not the whole slice
+            # a request queued meanwhile is turned to after the current step of a long batch, not after its
+            # whole slice; short batches keep their slice, so that requests queued meanwhile batch together
+            long = sum(j.seconds for j in run.jobs) > self.slice_s
             done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s,
-                                                    lambda: bool(self._queue))
+                                                    (lambda: bool(self._queue)) if long else (lambda: False))
         except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
             log.exception("batch of %d request(s) failed", len(run.jobs))
             for job in run.jobs:

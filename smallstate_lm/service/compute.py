@@ -10,6 +10,7 @@ request scores exactly as `smallstate-lm rescore` does on the same input.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -28,7 +29,8 @@ from smallstate_lm.rescoring.lattice_expand import ExpandConfig, build_rescorer
 from smallstate_lm.rescoring.lattice_io import read_fst_text
 from smallstate_lm.rescoring.nbest import Components, apply_weights, compute_components
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-from smallstate_lm.scoring import NeuralScorer, Weights, check_overlap, count_oov, oov_reference
+from smallstate_lm.scoring import NeuralScorer, TreeSize, Weights, check_overlap, count_oov, oov_reference, trie_size
+from smallstate_lm.vocab import EOS_ID
 
 from .batcher import Job, drop_expired
 from .cost import CostModel, calibrate
@@ -213,7 +215,7 @@ class Compute:
         # beam pruning keeps real lattices far below it); learned as lattices finish
         self.lattice_ratio = 0.1
         # the time one step of the worker aims at: a new request waits for at most about one step
-        self.step_s = settings.slice_ms / 2000
+        self.step_s = settings.slice_ms / 1000
         self.info: dict = {}  # what /v1/models shows
 
     # ---- loading -------------------------------------------------------------------------------
@@ -341,10 +343,10 @@ class Compute:
             it.cost, it.depth = tokens, max(len(s) + 1 for s in seqs)
             work.tokens_total += tokens
             if self.neural is not None:
-                est = self.neural.estimate_cost([seqs])  # before any work: no model call
-                it.cost = est.trie_nodes
+                size = self._trie_size(seqs)  # before any work: no model call
+                it.cost = size.total_nodes
                 work.tokens_computed += it.cost
-                work.nbytes = max(work.nbytes, est.nbytes)
+                work.nbytes = max(work.nbytes, self._tree_bytes(size))
             it.seconds = cm.nbest_seconds(it.cost, it.depth, tokens, neural, ngram, self.step_s)
             work.seconds += it.seconds
         work.seconds += work.lattice_seconds
@@ -352,6 +354,24 @@ class Compute:
         together = self.expand_config.lattices_per_batch(neural)
         work.nbytes = max(work.nbytes, sum(sorted(lattice_bytes)[-together:]))
         return work
+
+    def _trie_size(self, seqs: list[list[str]]) -> TreeSize:
+        """The size of the prefix trie the scorer builds over `seqs` (`trie_size` of their token ids), with each
+        distinct word encoded once: a request of 1,000 x 100 words is sized in a few milliseconds."""
+        distinct = set(itertools.chain.from_iterable(seqs))
+        ids = dict(zip(distinct, self.neural.vocab.encode(list(distinct))))
+        return trie_size([[ids[w] for w in words] + [EOS_ID] for words in seqs])
+
+    def _tree_bytes(self, size: TreeSize) -> int:
+        """Peak working memory of scoring a trie of `size` in pieces: its plan's, or the scorer's cap when
+        the plan runs in blocks or sub-tries (one hypothesis over the cap is refused by the scorer itself)."""
+        cap = self.neural.max_work_bytes
+        one = dataclasses.replace(size, total_nodes=size.max_depth, max_nodes=size.max_depth,
+                                  path_len=size.max_depth + 1)
+        return max(self._plan_bytes(one), min(self._plan_bytes(size), cap if cap is not None else 1 << 62))
+
+    def _plan_bytes(self, size: TreeSize) -> int:
+        return size.nbytes(self.neural.model, self.neural.max_work_bytes)
 
     def expected_seconds(self, work: Work) -> float:
         """What the worker is expected to spend on `work`: hypothesis lists as predicted, lattices at the
@@ -470,10 +490,10 @@ class Compute:
         for job in jobs:
             if not left[job]:
                 done(job)
-        chunk, seconds = [], 0.0
+        chunk, seconds = [], self.cost.call_s  # whole lists share their call
         for k, unit in enumerate(units):
             chunk.append(unit)
-            seconds += unit[3]
+            seconds += unit[3] - (self.cost.call_s if unit[2] is None else 0.0)
             if seconds >= self.step_s or k == len(units) - 1:
                 live = [u for u in chunk if not self._stop(u[0])]
                 whole = [(job, it) for job, it, part, _ in live if part is None]
@@ -489,7 +509,7 @@ class Compute:
                     left[job] -= 1
                     if left[job] == 0:
                         done(job)
-                chunk, seconds = [], 0.0
+                chunk, seconds = [], self.cost.call_s
                 yield
 
     def _units(self, job: Job, it: NbestItem) -> list[tuple]:
