@@ -51,7 +51,7 @@ class OutputLayer(nn.Module):
             return -F.cross_entropy(F.linear(x, self.weight, self.bias).float(), targets, reduction="none")
         # The bias rides along as an extra input column, so the matmul writes finished
         # logits (no separate pass broadcasting the bias into a (rows, V) buffer).
-        w_aug = torch.cat([self.weight, self.bias[:, None]], 1)  # (V, E+1)
+        w_aug = self._augmented()  # (V, E+1)
         x_aug = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)  # (N, E+1)
         rows = max(1, LOGIT_BUDGET // self.weight.shape[0])
         out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
@@ -66,6 +66,17 @@ class OutputLayer(nn.Module):
             torch.log_softmax(logits, 1, out=logits)
             out[i : i + rows] = logits.gather(1, targets[i : i + rows, None])[:, 0]
         return out
+
+    def _augmented(self) -> Tensor:
+        """[weight | bias], kept while the weights are the same tensors, unchanged: building it copies the
+        whole output matrix, which costs more than a small scoring call's own work."""
+        key = (self.weight.data_ptr(), self.weight._version, self.bias.data_ptr(), self.bias._version,
+               self.weight.dtype, self.weight.device)
+        if getattr(self, "_aug_key", None) != key:
+            with torch.no_grad():
+                self._aug = torch.cat([self.weight, self.bias[:, None]], 1)
+            self._aug_key = key
+        return self._aug
 
     def log_probs(self, h: Tensor) -> Tensor:
         """h (N, d_model) -> (N, V) natural-log next-token distribution."""

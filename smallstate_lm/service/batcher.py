@@ -11,12 +11,13 @@ batching off each request is its own batch.
 
 The work of a batch is an iterator of steps (a piece of hypothesis lists, one LM call of
 a lattice level, each sized to about a slice by the cost model). The worker runs a batch
-for at most `slice_s`, and, when the batch is expected to take longer than a slice, turns
-to requests queued meanwhile as soon as its current step ends, before it resumes: a long
-lattice holds a small request for one step, not for its whole expansion. Started batches
-finish oldest first. A job whose
-request was cancelled or whose deadline passed is dropped from the queue, and the work
-function stops its work at the next step.
+for at most `slice_s` at a time. When the batch holds a job expected to take longer than a
+slice, requests queued meanwhile are turned to as soon as its current step ends, before it
+resumes: a long lattice holds a small request for one step, not for its whole expansion. A
+batch of small requests runs a few slices before newer ones get every other slice, so that
+requests arriving meanwhile gather into one batch. Started batches finish oldest first. A
+job whose request was cancelled or whose deadline passed is dropped from the queue, and the
+work function stops its work at the next step.
 """
 
 from __future__ import annotations
@@ -78,9 +79,22 @@ WorkFn = Callable[[list, Callable[[Job, Any], None]], Iterator[Any]]
 class _Batch:
     """A batch the worker has started: its jobs, its remaining steps and its worker time so far."""
 
-    def __init__(self, jobs: list[Job], steps: Iterator[Any], cost: int):
+    def __init__(self, jobs: list[Job], steps: Iterator[Any], cost: int, slice_s: float):
         self.jobs, self.steps, self.cost = jobs, steps, cost
         self.seconds = 0.0
+        self.long = any(j.seconds > slice_s for j in jobs)  # a job of it is expected to need several slices
+        self.slice_s = slice_s
+
+    def yields(self) -> bool:
+        """Whether newer requests get every other slice: while it holds a long job, or once it has had
+        SHARE_AFTER slices. A batch of small requests runs on before that, so that the requests arriving
+        meanwhile gather into one batch (each forward pass reads all the weights: a pass of many
+        requests costs little more than a pass of one)."""
+        return self.long or self.seconds >= SHARE_AFTER * self.slice_s
+
+
+# slices a batch of small requests gets before newer requests share the worker with it
+SHARE_AFTER = 4
 
 
 def _advance(steps: Iterator[Any], budget_s: float, waiting: Callable[[], bool] = lambda: False) -> bool:
@@ -215,16 +229,17 @@ class Batcher:
     async def _turn(self, new_first: bool) -> None:
         """One slice of a new batch or of the oldest started one. Started batches finish in order
         (sharing the worker among all of them would make every long request late); new ones get
-        every other slice, so a small request never waits for more than one. A function of its own
+        every other slice once the oldest yields (`_Batch.yields`), so a small request waits for at
+        most one step of a long job, or a few slices of small ones. A function of its own
         so that nothing of a finished batch (its requests, results) stays referenced while the
         collector waits."""
-        if self._queue and (new_first or not self._running):
+        if self._queue and (not self._running or (new_first and self._running[0].yields())):
             if self.batching and not self._running:  # nothing to do meanwhile: wait for company
                 await self._wait_for_company()
             batch = self._take()
             if not batch:
                 return
-            run = _Batch(batch, iter(self.work(batch, self._deliver)), sum(j.cost for j in batch))
+            run = _Batch(batch, iter(self.work(batch, self._deliver)), sum(j.cost for j in batch), self.slice_s)
             if not await self._step(run):
                 self._running.append(run)
         else:
@@ -270,9 +285,8 @@ class Batcher:
         try:
             # a request queued meanwhile is turned to after the current step of a long batch, not after its
             # whole slice; short batches keep their slice, so that requests queued meanwhile batch together
-            long = sum(j.seconds for j in run.jobs) > self.slice_s
             done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s,
-                                                    (lambda: bool(self._queue)) if long else (lambda: False))
+                                                    (lambda: bool(self._queue)) if run.long else (lambda: False))
         except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
             log.exception("batch of %d request(s) failed", len(run.jobs))
             for job in run.jobs:

@@ -272,6 +272,7 @@ class Compute:
                          "max_batch_tokens": s.max_batch_tokens, "max_wait_ms": s.max_wait_ms,
                          "wait_for_arrivals": s.wait_for_arrivals,
                          "max_queue": s.max_queue, "slice_ms": s.slice_ms},
+            "cost_model": dataclasses.asdict(self.cost),
         }
         if self.metrics is not None:
             self.metrics.model.info({

@@ -84,10 +84,12 @@ RELEASE_GROWTH = 64 * 2**20
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in (
     (400, "Malformed JSON."), (401, "Missing or wrong API key."),
     (408, "The body did not arrive within body_timeout_s."),
-    (413, "Body over max_body_bytes, or estimated cost over max_trie_nodes / max_lattice_cost."),
+    (413, "Body over max_body_bytes; estimated cost over max_trie_nodes / max_lattice_cost; predicted seconds or "
+          "bytes over max_request_seconds / max_request_bytes, or hypothesis lists that cannot meet the deadline."),
     (415, "Body not sent as application/json."),
     (422, "Invalid request, or over a limit: `field` names the part, `limit` the limit."),
-    (503, "Overloaded (queue full), not ready, or shutting down; see Retry-After."),
+    (503, "Overloaded (queue full, or more work queued ahead than the deadline allows), out of memory for this "
+          "request, not ready, or shutting down; see Retry-After."),
     (504, "No answer within the deadline (X-Request-Timeout, at most request_timeout_s); the work was stopped."))}
 
 
@@ -747,7 +749,9 @@ def _add_routes(app: FastAPI, svc: Service) -> None:
         if not svc.ready:
             raise Unavailable("the model failed its start-up check" if svc.failed else "the model is still loading",
                               retry_after=2)
-        return ModelsResponse.model_validate(svc.compute.info)
+        info = svc.compute.info
+        return ModelsResponse.model_validate({**info, "cost_model": {**info.get("cost_model", {}),
+                                                                     "lattice_ratio": svc.compute.lattice_ratio}})
 
 
 # ---------------------------------------------------------------------------------------------

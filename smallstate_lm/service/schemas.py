@@ -257,6 +257,9 @@ class ModelsResponse(BaseModel):
     weights: WeightsOut = Field(..., description="Default weights.")
     lattice: dict = Field(..., description="Lattice expansion settings.")
     batching: dict
+    cost_model: dict = Field(..., description="The cost model calibrated at warm-up on this server's device "
+                             "(seconds per trie node, call and lattice row; bytes of LM state per position), and "
+                             "the share of their upper bound that lattices have taken here so far.")
 
 
 class ErrorResponse(BaseModel):
