@@ -15,7 +15,8 @@ for at most `slice_s` at a time. When the batch holds a job expected to take lon
 slice, requests queued meanwhile are turned to as soon as its current step ends, before it
 resumes: a long lattice holds a small request for one step, not for its whole expansion. A
 batch of small requests runs a few slices before newer ones get every other slice, so that
-requests arriving meanwhile gather into one batch. Started batches finish oldest first. A
+requests arriving meanwhile gather into one batch. Of the started batches, the one expected
+to finish first runs next (oldest first among equals). A
 job whose request was cancelled or whose deadline passed is dropped from the queue, and the
 work function stops its work at the next step.
 """
@@ -85,6 +86,10 @@ class _Batch:
         self.long = any(j.seconds > slice_s for j in jobs)  # a job of it is expected to need several slices
         self.slice_s = slice_s
 
+    def remaining(self) -> float:
+        """Expected worker seconds left: its live jobs' expected seconds less what it has had."""
+        return max(0.0, sum(j.seconds for j in self.jobs if not j.expired()) - self.seconds)
+
     def yields(self) -> bool:
         """Whether newer requests get every other slice: while it holds a long job, or once it has had
         SHARE_AFTER slices. A batch of small requests runs on before that, so that the requests arriving
@@ -137,10 +142,10 @@ class Batcher:
 
     def backlog(self) -> float:
         """Expected worker seconds of the queued jobs and what is left of the started batches': what a
-        job that needs more than one slice waits for (started batches finish oldest first)."""
+        job that needs more than one slice may wait for."""
         queued = sum(j.seconds for j in self._queue)
         started = [*self._running, *([self._current] if self._current is not None else [])]
-        return queued + sum(max(0.0, sum(j.seconds for j in b.jobs if not j.expired()) - b.seconds) for b in started)
+        return queued + sum(b.remaining() for b in started)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -227,13 +232,13 @@ class Batcher:
             new_first = not new_first
 
     async def _turn(self, new_first: bool) -> None:
-        """One slice of a new batch or of the oldest started one. Started batches finish in order
-        (sharing the worker among all of them would make every long request late); new ones get
-        every other slice once the oldest yields (`_Batch.yields`), so a small request waits for at
-        most one step of a long job, or a few slices of small ones. A function of its own
+        """One slice of a new batch or of the started one expected to finish first (sharing the worker
+        evenly among all of them would make every long request late); new ones get every other slice
+        once that one yields (`_Batch.yields`), so a small request waits for at most one step of a long
+        job, or a few slices of small ones. A function of its own
         so that nothing of a finished batch (its requests, results) stays referenced while the
         collector waits."""
-        if self._queue and (not self._running or (new_first and self._running[0].yields())):
+        if self._queue and (not self._running or (new_first and self._next().yields())):
             if self.batching and not self._running:  # nothing to do meanwhile: wait for company
                 await self._wait_for_company()
             batch = self._take()
@@ -243,9 +248,15 @@ class Batcher:
             if not await self._step(run):
                 self._running.append(run)
         else:
-            run = self._running.popleft()
+            run = self._next()
+            self._running.remove(run)
             if not await self._step(run):
                 self._running.appendleft(run)
+
+    def _next(self) -> _Batch:
+        """The started batch to run next: the one expected to finish first (oldest first among equals), so a
+        batch of small requests that did not finish in its first slice is not left behind long ones."""
+        return min(self._running, key=lambda b: b.remaining())
 
     async def _wait_for_company(self) -> None:
         # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.

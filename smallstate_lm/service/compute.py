@@ -349,7 +349,10 @@ class Compute:
                 work.tokens_computed += it.cost
                 work.nbytes = max(work.nbytes, self._tree_bytes(size))
             it.seconds = cm.nbest_seconds(it.cost, it.depth, tokens, neural, ngram, self.step_s)
-            work.seconds += it.seconds
+            # lists scored whole share their calls with the request's other lists (and the batch's)
+            work.seconds += it.seconds - (cm.call_s if neural and it.seconds <= self.step_s else 0.0)
+        if neural and any(isinstance(it, NbestItem) for it in items):
+            work.seconds += cm.call_s
         work.seconds += work.lattice_seconds
         # lattices are expanded expand_config.batch_lattices at a time
         together = self.expand_config.lattices_per_batch(neural)
