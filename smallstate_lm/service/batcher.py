@@ -223,7 +223,10 @@ class Batcher:
                 if self._closing:
                     return
                 if self._cost_since_idle and self.on_idle is not None:
-                    self.on_idle(self._cost_since_idle)
+                    try:
+                        self.on_idle(self._cost_since_idle)
+                    except Exception:  # housekeeping must never stop the collector
+                        log.exception("idle callback failed")
                 self._cost_since_idle = 0
                 self._wake.clear()
                 await self._wake.wait()

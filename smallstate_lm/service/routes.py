@@ -171,7 +171,11 @@ class Service:
         def done(_) -> None:
             self._releasing = False
 
-        asyncio.get_running_loop().run_in_executor(None, _release_memory).add_done_callback(done)
+        try:
+            asyncio.get_running_loop().run_in_executor(None, _release_memory).add_done_callback(done)
+        except RuntimeError as e:  # no thread to be had (a memory limit): the next idle moment tries again
+            self._releasing = False
+            log.warning("could not hand memory back to the OS now: %s", e)
 
     def arrived(self, scope) -> None:
         """The request of `scope` stops counting as on its way in (once)."""
