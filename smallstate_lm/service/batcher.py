@@ -16,7 +16,7 @@ slice, requests queued meanwhile are turned to as soon as its current step ends,
 resumes: a long lattice holds a small request for one step, not for its whole expansion. A
 batch of small requests runs a few slices before newer ones get every other slice, so that
 requests arriving meanwhile gather into one batch. Of the started batches, the one expected
-to finish first runs next (oldest first among equals). A
+to finish first and the oldest run by turns. A
 job whose request was cancelled or whose deadline passed is dropped from the queue, and the
 work function stops its work at the next step.
 """
@@ -82,6 +82,7 @@ class _Batch:
 
     def __init__(self, jobs: list[Job], steps: Iterator[Any], cost: int, slice_s: float):
         self.jobs, self.steps, self.cost = jobs, steps, cost
+        self.t_start = time.perf_counter()
         self.seconds = 0.0
         self.long = any(j.seconds > slice_s for j in jobs)  # a job of it is expected to need several slices
         self.slice_s = slice_s
@@ -130,6 +131,7 @@ class Batcher:
         self._queued_cost = 0
         self._running: collections.deque[_Batch] = collections.deque()  # started, not finished
         self._current: _Batch | None = None  # the one on the worker now
+        self._oldest_turn = False  # whether the next started batch to run is the oldest (else the shortest)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -252,14 +254,18 @@ class Batcher:
                 self._running.append(run)
         else:
             run = self._next()
+            self._oldest_turn = not self._oldest_turn
             self._running.remove(run)
             if not await self._step(run):
                 self._running.appendleft(run)
 
     def _next(self) -> _Batch:
-        """The started batch to run next: the one expected to finish first (oldest first among equals), so a
-        batch of small requests that did not finish in its first slice is not left behind long ones."""
-        return min(self._running, key=lambda b: b.remaining())
+        """The started batch to run next: by turns the one expected to finish first, so that a batch of small
+        requests that did not finish in its first slice is not left behind long ones, and the oldest, so that
+        a long one is not starved by a stream of small ones (it gets at least every other of these turns)."""
+        if self._oldest_turn:
+            return min(self._running, key=lambda b: b.t_start)
+        return min(self._running, key=lambda b: (b.remaining(), b.t_start))
 
     async def _wait_for_company(self) -> None:
         # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.
