@@ -158,6 +158,10 @@ class Batcher:
         """Run `fn(*args)` on the worker thread (loading the model there, for instance)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def aside(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run `fn()` on the worker thread between slices (housekeeping that must not need a thread of its own)."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
     async def run_now(self, jobs: list[Job], deliver: Callable[[Job, Any], None]) -> None:
         """Run a batch to its end on the worker, past the queue (the warm-up)."""
         await self.call(lambda: _advance(self.work(jobs, deliver), math.inf))
@@ -211,7 +215,10 @@ class Batcher:
         if self._task is not None:
             self._wake.set()
             await self._task
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        except RuntimeError:  # no thread to wait in (a memory limit): the worker is idle by now anyway
+            self._executor.shutdown(wait=False)
 
     # ---- internals -------------------------------------------------------------------------
     def _set_depth(self) -> None:

@@ -581,8 +581,11 @@ class Compute:
             return self._as_service_error(e, w, field)
         if _out_of_memory(e):
             log.warning("a request ran out of memory: %s", str(e).split("\n")[0][:200])
-            return Unavailable("the server has not enough memory for this request now: retry later, or send it in "
-                               "smaller parts", retry_after=5)
+            e.__traceback__ = None  # its frames hold what ran out of memory: let it go now
+            error = Unavailable("the server has not enough memory for this request now: retry later, or send it in "
+                                "smaller parts", retry_after=5)
+            error.__suppress_context__ = True
+            return error
         return e
 
     def _score_chunk(self, pairs: list[tuple[Job, NbestItem]]) -> None:

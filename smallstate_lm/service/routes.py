@@ -163,7 +163,8 @@ class Service:
             self.release_memory()
 
     def release_memory(self) -> None:
-        """Hand freed memory back to the OS, in a thread (one at a time)."""
+        """Hand freed memory back to the OS (one at a time), on the worker's thread: it exists already, where
+        a new thread may not be had when memory is short, which is when this matters most."""
         if self._releasing:
             return
         self._releasing = True
@@ -171,11 +172,7 @@ class Service:
         def done(_) -> None:
             self._releasing = False
 
-        try:
-            asyncio.get_running_loop().run_in_executor(None, _release_memory).add_done_callback(done)
-        except RuntimeError as e:  # no thread to be had (a memory limit): the next idle moment tries again
-            self._releasing = False
-            log.warning("could not hand memory back to the OS now: %s", e)
+        self.batcher.aside(_release_memory).add_done_callback(done)
 
     def arrived(self, scope) -> None:
         """The request of `scope` stops counting as on its way in (once)."""
