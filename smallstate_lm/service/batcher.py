@@ -15,8 +15,8 @@ for at most `slice_s` at a time. When the batch holds a job expected to take lon
 slice, requests queued meanwhile are turned to as soon as its current step ends, before it
 resumes: a long lattice holds a small request for one step, not for its whole expansion. A
 batch of small requests runs a few slices before newer ones get every other slice, so that
-requests arriving meanwhile gather into one batch. Of the started batches, the one expected
-to finish first and the oldest run by turns. A
+requests arriving meanwhile gather into one batch. Started batches run oldest first, those of
+small requests and those holding a long job by turns. A
 job whose request was cancelled or whose deadline passed is dropped from the queue, and the
 work function stops its work at the next step.
 """
@@ -131,7 +131,7 @@ class Batcher:
         self._queued_cost = 0
         self._running: collections.deque[_Batch] = collections.deque()  # started, not finished
         self._current: _Batch | None = None  # the one on the worker now
-        self._oldest_turn = False  # whether the next started batch to run is the oldest (else the shortest)
+        self._oldest_turn = False  # whether the next started batch to run is a long one (see _next)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -267,12 +267,14 @@ class Batcher:
                 self._running.appendleft(run)
 
     def _next(self) -> _Batch:
-        """The started batch to run next: by turns the one expected to finish first, so that a batch of small
-        requests that did not finish in its first slice is not left behind long ones, and the oldest, so that
-        a long one is not starved by a stream of small ones (it gets at least every other of these turns)."""
-        if self._oldest_turn:
-            return min(self._running, key=lambda b: b.t_start)
-        return min(self._running, key=lambda b: (b.remaining(), b.t_start))
+        """The started batch to run next, oldest first within each class, the classes by turns: batches of
+        small requests, and batches holding a long job (expected to need several slices). A batch of small
+        requests that did not finish in its first slice waits behind neither the long jobs nor newer small
+        batches; a long job is not starved by a stream of small ones (it gets every other of these turns)."""
+        long = [b for b in self._running if b.long]
+        small = [b for b in self._running if not b.long]
+        pick = long if (self._oldest_turn and long) or not small else small
+        return min(pick, key=lambda b: b.t_start)
 
     async def _wait_for_company(self) -> None:
         # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.
@@ -289,16 +291,26 @@ class Batcher:
                 return
 
     def _take(self) -> list[Job]:
-        """The oldest jobs within the batch budget (one without batching); expired ones are dropped."""
-        batch, cost = [], 0
-        while self._queue and (not batch or (self.batching and cost + self._queue[0].cost <= self.max_batch_cost)):
+        """The oldest jobs of one class within the batch budget (one without batching): small ones (expected
+        to fit in a slice) when any is queued, else long ones; the others stay queued in order. A batch never
+        mixes the two, so small requests are not tied to a long job's turns. Expired jobs are dropped."""
+        small = any(j.seconds <= self.slice_s for j in self._queue)
+        batch, cost, keep = [], 0, []
+        while self._queue:
             job = self._queue.popleft()
+            if (job.seconds <= self.slice_s) != small or (batch and not self.batching) \
+                    or (batch and cost + job.cost > self.max_batch_cost):
+                keep.append(job)
+                if batch and (not self.batching or cost + job.cost > self.max_batch_cost):
+                    break
+                continue
             self._queued_cost -= job.cost
             job.started = True
             if drop_expired(job, "queued", self.metrics):
                 continue
             cost += job.cost
             batch.append(job)
+        self._queue.extendleft(reversed(keep))
         self._set_depth()
         t_start = time.perf_counter()
         for job in batch:
