@@ -375,9 +375,9 @@ def frequent_words(args, n: int) -> list[str]:
     return words[:n]
 
 
-def build_wedges(words: list[str], repeats: int) -> tuple[list[Wedge], dict[str, Wedge]]:
-    """Every wedge shape `repeats` times, and one of each shape by name. `words`: at least 2,064
-    distinct in-vocabulary words, the most frequent first."""
+def build_wedges(words: list[str], repeats: int) -> tuple[list[Wedge], dict[str, Wedge], list[Wedge]]:
+    """Every wedge shape of the mix `repeats` times, one of each shape by name (the idle ones too), and the
+    idle ones `repeats` times. `words`: at least 2,064 distinct in-vocabulary words, the most frequent first."""
     rng = random.Random(2)
     common = words[:14]
 
@@ -405,7 +405,18 @@ def build_wedges(words: list[str], repeats: int) -> tuple[list[Wedge], dict[str,
               Wedge("n-best 1000, hang-up after 1 s", post_bytes(deep[1000]), hang_up_after=1.0),
               Wedge("sausage, X-Request-Timeout 2", post_bytes(sausage, headers=timeout), deadline=True),
               Wedge("sausage, hang-up after 1 s", post_bytes(sausage), hang_up_after=1.0)]
-    return [w for w in shapes for _ in range(repeats)], {w.shape: w for w in shapes}
+    # sent to the idle server after the mix, one at a time, so that the work they start is stopped part-way and
+    # the request right after them shows whether the worker is free again
+    idle = [Wedge("idle: n-best 200 x 100, hang-up after 1 s", post_bytes(deep[200]), hang_up_after=1.0),
+            Wedge("idle: sausage, hang-up after 1 s", post_bytes(sausage), hang_up_after=1.0),
+            Wedge("idle: sausage, X-Request-Timeout 2", post_bytes(sausage, headers=timeout), deadline=True)]
+    return ([w for w in shapes for _ in range(repeats)], {w.shape: w for w in shapes + idle},
+            [w for w in idle for _ in range(repeats)])
+
+
+async def idle_stops(port: int, wedges: list, probe: bytes) -> list[dict]:
+    """Each wedge alone, then at once the small `probe` after each 504 or hang-up."""
+    return await wedge_client(port, [(0.0, w) for w in wedges], [], 0, probe)
 
 
 async def send_once(port: int, data: bytes, hang_up_after: float | None = None,
@@ -523,7 +534,7 @@ def run_abuse(args: argparse.Namespace) -> None:
     random.Random(0).shuffle(mixed)
     alone = [small[i % len(small)] for i in range(args.requests - n_heavy)]
     words = frequent_words(args, 2064)
-    wedges, wedge_shapes = build_wedges(words, args.wedges)
+    wedges, wedge_shapes, idle_wedges = build_wedges(words, args.wedges)
     probe = post_bytes(json.dumps({"utterances": [{"id": "probe", "hypotheses": [
         {"words": words[:3], "am_score": -10.0}]}]}).encode())
     # in flight at SIGTERM: wedges (two sausages, which the limits admit, a deep list, a fan) and heavy requests
@@ -544,9 +555,11 @@ def run_abuse(args: argparse.Namespace) -> None:
         base = asyncio.run(run_fixed(server.port, alone, c))
         t1 = time.perf_counter()
         out, stalls, wedged = asyncio.run(mixed_run(server.port, mixed, heavy, wedges, probe, args))
-        wedged.sort(key=lambda r: list(wedge_shapes).index(r["shape"]))  # stable: in the order sent, by shape
         t2 = time.perf_counter()
-        time.sleep(3)  # the hang-ups' work is stopped, large requests' memory given back
+        time.sleep(3)  # the hang-ups' work is stopped
+        wedged += asyncio.run(idle_stops(server.port, idle_wedges, probe))
+        wedged.sort(key=lambda r: list(wedge_shapes).index(r["shape"]))  # stable: in the order sent, by shape
+        time.sleep(3)  # large requests' memory given back
         rss1 = server_rss_mib(server.proc.pid)
         counts = {k: metric(server.port, f"smallstate_{k}_total") for k in ("requests_cancelled", "work_cancelled",
                                                                            "header_timeouts")}

@@ -10,15 +10,16 @@ while the worker computes new requests queue up, so batches grow with the load. 
 batching off each request is its own batch.
 
 The work of a batch is an iterator of steps (a piece of hypothesis lists, one LM call of
-a lattice level, each sized to about a slice by the cost model). The worker runs a batch
-for at most `slice_s` at a time. When the batch holds a job expected to take longer than a
-slice, requests queued meanwhile are turned to as soon as its current step ends, before it
-resumes: a long lattice holds a small request for one step, not for its whole expansion. A
-batch of small requests runs a few slices before newer ones get every other slice, so that
-requests arriving meanwhile gather into one batch. Started batches run oldest first, those of
-small requests and those holding a long job by turns. A
-job whose request was cancelled or whose deadline passed is dropped from the queue, and the
-work function stops its work at the next step.
+a lattice level, each sized to about a slice by the cost model). Requests are of two
+classes: small (expected to fit in a slice) and long; a batch holds one class only. The
+worker gives the classes slices by turns when both have work, and within a class runs the
+oldest started batch to its end before it takes a new one from the queue: small requests
+arriving meanwhile gather into one batch, a long request waits for the long ones before it
+and never for the small ones, nor they for it. A slice of a long batch ends after its
+current step when a small request is queued; a small batch that has run for LONG_AFTER
+slices counts as long from then on. A job whose request was cancelled or whose
+deadline passed is dropped from the queue, and the work function stops its work at the
+next step.
 """
 
 from __future__ import annotations
@@ -78,29 +79,21 @@ WorkFn = Callable[[list, Callable[[Job, Any], None]], Iterator[Any]]
 
 
 class _Batch:
-    """A batch the worker has started: its jobs, its remaining steps and its worker time so far."""
+    """A batch the worker has started: its jobs, its remaining steps, its worker time so far, and its class
+    (`long`: its jobs are expected to need several slices)."""
 
-    def __init__(self, jobs: list[Job], steps: Iterator[Any], cost: int, slice_s: float):
-        self.jobs, self.steps, self.cost = jobs, steps, cost
+    def __init__(self, jobs: list[Job], steps: Iterator[Any], cost: int, long: bool):
+        self.jobs, self.steps, self.cost, self.long = jobs, steps, cost, long
         self.t_start = time.perf_counter()
         self.seconds = 0.0
-        self.long = any(j.seconds > slice_s for j in jobs)  # a job of it is expected to need several slices
-        self.slice_s = slice_s
 
     def remaining(self) -> float:
         """Expected worker seconds left: its live jobs' expected seconds less what it has had."""
         return max(0.0, sum(j.seconds for j in self.jobs if not j.expired()) - self.seconds)
 
-    def yields(self) -> bool:
-        """Whether newer requests get every other slice: while it holds a long job, or once it has had
-        SHARE_AFTER slices. A batch of small requests runs on before that, so that the requests arriving
-        meanwhile gather into one batch (each forward pass reads all the weights: a pass of many
-        requests costs little more than a pass of one)."""
-        return self.long or self.seconds >= SHARE_AFTER * self.slice_s
 
-
-# slices a batch of small requests gets before newer requests share the worker with it
-SHARE_AFTER = 4
+# slices after which a batch expected to be small counts as long (a lattice's expectation is only a guess)
+LONG_AFTER = 4
 
 
 def _advance(steps: Iterator[Any], budget_s: float, waiting: Callable[[], bool] = lambda: False) -> bool:
@@ -131,7 +124,7 @@ class Batcher:
         self._queued_cost = 0
         self._running: collections.deque[_Batch] = collections.deque()  # started, not finished
         self._current: _Batch | None = None  # the one on the worker now
-        self._oldest_turn = False  # whether the next started batch to run is a long one (see _next)
+        self._long_turn = False  # whether the next turn is the long requests' (when both have work)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,12 +135,12 @@ class Batcher:
     def depth(self) -> int:
         return len(self._queue)
 
-    def backlog(self) -> float:
-        """Expected worker seconds of the queued jobs and what is left of the started batches': what a
-        job that needs more than one slice may wait for."""
-        queued = sum(j.seconds for j in self._queue)
+    def backlog(self, long: bool = True) -> float:
+        """Expected worker seconds of the queued jobs of a class (long or small) and what is left of its
+        started batches: what a new job of that class may wait for."""
+        queued = sum(j.seconds for j in self._queue if self._is_long(j) == long)
         started = [*self._running, *([self._current] if self._current is not None else [])]
-        return queued + sum(b.remaining() for b in started)
+        return queued + sum(b.remaining() for b in started if b.long == long)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -226,7 +219,6 @@ class Batcher:
             self.metrics.queue_depth.set(len(self._queue))
 
     async def _collect(self) -> None:
-        new_first = True  # when both wait: alternate new batches and started ones
         while True:
             if not self._queue and not self._running:
                 if self._closing:
@@ -240,41 +232,39 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._turn(new_first)
-            new_first = not new_first
+            await self._turn()
 
-    async def _turn(self, new_first: bool) -> None:
-        """One slice of a new batch or of the started one expected to finish first (sharing the worker
-        evenly among all of them would make every long request late); new ones get every other slice
-        once that one yields (`_Batch.yields`), so a small request waits for at most one step of a long
-        job, or a few slices of small ones. A function of its own
-        so that nothing of a finished batch (its requests, results) stays referenced while the
+    async def _turn(self) -> None:
+        """One slice of work of one class, the classes by turns when both have work: small requests (each
+        expected to fit in a slice) and long ones. Within a class, the oldest started batch runs, else a new
+        one is taken from the queue: new small requests gather while an older small batch runs, and a long
+        request waits for the long ones before it, never for the small ones, nor they for it. A function of
+        its own so that nothing of a finished batch (its requests, results) stays referenced while the
         collector waits."""
-        if self._queue and (not self._running or (new_first and self._next().yields())):
+        ready = [long for long in ((True, False) if self._long_turn else (False, True)) if self._has_work(long)]
+        if not ready:
+            return
+        long = ready[0]
+        self._long_turn = not long
+        started = [b for b in self._running if b.long == long]
+        if started:
+            run = min(started, key=lambda b: b.t_start)
+            self._running.remove(run)
+        else:
             if self.batching and not self._running:  # nothing to do meanwhile: wait for company
                 await self._wait_for_company()
-            batch = self._take()
+            batch = self._take(long)
             if not batch:
                 return
-            run = _Batch(batch, iter(self.work(batch, self._deliver)), sum(j.cost for j in batch), self.slice_s)
-            if not await self._step(run):
-                self._running.append(run)
-        else:
-            run = self._next()
-            self._oldest_turn = not self._oldest_turn
-            self._running.remove(run)
-            if not await self._step(run):
-                self._running.appendleft(run)
+            run = _Batch(batch, iter(self.work(batch, self._deliver)), sum(j.cost for j in batch), long)
+        if not await self._step(run):
+            self._running.append(run)
 
-    def _next(self) -> _Batch:
-        """The started batch to run next, oldest first within each class, the classes by turns: batches of
-        small requests, and batches holding a long job (expected to need several slices). A batch of small
-        requests that did not finish in its first slice waits behind neither the long jobs nor newer small
-        batches; a long job is not starved by a stream of small ones (it gets every other of these turns)."""
-        long = [b for b in self._running if b.long]
-        small = [b for b in self._running if not b.long]
-        pick = long if (self._oldest_turn and long) or not small else small
-        return min(pick, key=lambda b: b.t_start)
+    def _has_work(self, long: bool) -> bool:
+        return any(b.long == long for b in self._running) or any(self._is_long(j) == long for j in self._queue)
+
+    def _is_long(self, job: Job) -> bool:
+        return job.seconds > self.slice_s
 
     async def _wait_for_company(self) -> None:
         # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.
@@ -290,20 +280,18 @@ class Batcher:
             except asyncio.TimeoutError:
                 return
 
-    def _take(self) -> list[Job]:
-        """The oldest jobs of one class within the batch budget (one without batching): small ones (expected
-        to fit in a slice) when any is queued, else long ones; the others stay queued in order. A batch never
-        mixes the two, so small requests are not tied to a long job's turns. Expired jobs are dropped."""
-        small = any(j.seconds <= self.slice_s for j in self._queue)
+    def _take(self, long: bool) -> list[Job]:
+        """The oldest queued jobs of one class (`long` or small) within the batch budget (one without
+        batching); the others stay queued in order. Expired jobs are dropped."""
         batch, cost, keep = [], 0, []
         while self._queue:
             job = self._queue.popleft()
-            if (job.seconds <= self.slice_s) != small or (batch and not self.batching) \
-                    or (batch and cost + job.cost > self.max_batch_cost):
+            if self._is_long(job) != long:
                 keep.append(job)
-                if batch and (not self.batching or cost + job.cost > self.max_batch_cost):
-                    break
                 continue
+            if batch and (not self.batching or cost + job.cost > self.max_batch_cost):
+                keep.append(job)
+                break
             self._queued_cost -= job.cost
             job.started = True
             if drop_expired(job, "queued", self.metrics):
@@ -322,10 +310,10 @@ class Batcher:
         t0 = time.perf_counter()
         self._current = run
         try:
-            # a request queued meanwhile is turned to after the current step of a long batch, not after its
-            # whole slice; short batches keep their slice, so that requests queued meanwhile batch together
-            done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s,
-                                                    (lambda: bool(self._queue)) if run.long else (lambda: False))
+            # a small request queued meanwhile is turned to after the current step of a long batch, not after
+            # its whole slice
+            waiting = (lambda: any(not self._is_long(j) for j in self._queue)) if run.long else (lambda: False)
+            done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s, waiting)
         except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
             log.exception("batch of %d request(s) failed", len(run.jobs))
             for job in run.jobs:
@@ -334,6 +322,8 @@ class Batcher:
         finally:
             self._current = None
         run.seconds += time.perf_counter() - t0
+        if not run.long and run.seconds > LONG_AFTER * self.slice_s:  # it was expected small: it is not
+            run.long = True
         if done:
             self._cost_since_idle += run.cost
             if self.metrics is not None:

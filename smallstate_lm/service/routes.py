@@ -247,9 +247,9 @@ class Service:
         behind the work already queued (503 with Retry-After). Hypothesis lists are predicted closely and
         must fit in their deadline with room for the other requests that share the worker (HEADROOM);
         lattices only have an upper bound, and count as the share of it that this server's lattices
-        took so far. A request of one slice is always let in (the worker turns to new requests after
-        every step), and so is any when nothing is queued ahead of it: its own estimate is checked above,
-        as far as it is reliable."""
+        took so far. A request of one slice is always let in (small requests never wait for long ones),
+        and so is a long one when no long work is ahead of it: its own estimate is checked above, as far
+        as it is reliable."""
         field = "sentences" if work.kind == "score" else "utterances"
         lists = work.seconds - work.lattice_seconds
         if lists * HEADROOM > remaining:
@@ -260,8 +260,9 @@ class Service:
         own = job.seconds
         if own <= self.batcher.slice_s:
             return
-        backlog = self.batcher.backlog()
-        if backlog > self.batcher.slice_s and (backlog + own) * HEADROOM > remaining:
+        # a long request waits for the long ones before it and gets every other slice while small ones flow
+        backlog = self.batcher.backlog(long=True)
+        if backlog > self.batcher.slice_s and (backlog + own) * 2 * HEADROOM > remaining:
             raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and this request "
                               f"about {own:.1f} s, more than its deadline allows ({remaining:.1f} s left); retry "
                               "later", retry_after=max(1, math.ceil(backlog)))
