@@ -17,7 +17,7 @@ oldest started batch to its end before it takes a new one from the queue: small 
 arriving meanwhile gather into one batch, a long request waits for the long ones before it
 and never for the small ones, nor they for it. A slice of a long batch ends after its
 current step when a small request is queued; a small batch that has run for LONG_AFTER
-slices counts as long from then on. A job whose request was cancelled or whose
+slices and twice its expected time counts as long from then on. A job whose request was cancelled or whose
 deadline passed is dropped from the queue, and the work function stops its work at the
 next step.
 """
@@ -84,6 +84,7 @@ class _Batch:
 
     def __init__(self, jobs: list[Job], steps: Iterator[Any], cost: int, long: bool):
         self.jobs, self.steps, self.cost, self.long = jobs, steps, cost, long
+        self.expected = sum(j.seconds for j in jobs)
         self.t_start = time.perf_counter()
         self.seconds = 0.0
 
@@ -92,7 +93,7 @@ class _Batch:
         return max(0.0, sum(j.seconds for j in self.jobs if not j.expired()) - self.seconds)
 
 
-# slices after which a batch expected to be small counts as long (a lattice's expectation is only a guess)
+# slices after which a batch of small jobs that has taken twice its expected time counts as long
 LONG_AFTER = 4
 
 
@@ -322,8 +323,8 @@ class Batcher:
         finally:
             self._current = None
         run.seconds += time.perf_counter() - t0
-        if not run.long and run.seconds > LONG_AFTER * self.slice_s:  # it was expected small: it is not
-            run.long = True
+        if not run.long and run.seconds > max(LONG_AFTER * self.slice_s, 2 * run.expected):
+            run.long = True  # it was expected small (a lattice's expectation is a guess): it is not
         if done:
             self._cost_since_idle += run.cost
             if self.metrics is not None:

@@ -134,6 +134,10 @@ class Service:
 
         await self.batcher.run_now(jobs, answered)  # straight to the worker: no batching wait
         await run_in_threadpool(_release_memory)
+        # What is alive now (model, vocabulary, n-gram, the app) lives as long as the process: out of the cyclic
+        # collector's generations, a full collection scans requests' objects only, not a 100+ ms walk of the
+        # whole heap in whichever thread (the event loop's too) happens to trigger it.
+        gc.freeze()
         self.rss_base = _rss_bytes()
         self.batcher.start()
         self.ready = True
