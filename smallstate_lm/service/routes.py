@@ -80,6 +80,9 @@ LARGE_BYTES = 2**20
 # A request is admitted when its predicted seconds times this fit in what is left of its deadline: the worker
 # turns to newer requests between its steps, so a long request gets less than all of it.
 HEADROOM = 1.5
+# A long request waits for the long work ahead of it and its own work times this: its class gets every other slice
+# while small requests flow (2), and the predictions of lattices are rough (2).
+LONG_WAIT = 4.0
 RELEASE_GROWTH = 64 * 2**20
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in (
     (400, "Malformed JSON."), (401, "Missing or wrong API key."),
@@ -264,9 +267,8 @@ class Service:
         own = job.seconds
         if own <= self.batcher.slice_s:
             return
-        # a long request waits for the long ones before it and gets every other slice while small ones flow
         backlog = self.batcher.backlog(long=True)
-        if backlog > self.batcher.slice_s and (backlog + own) * 2 * HEADROOM > remaining:
+        if backlog > self.batcher.slice_s and (backlog + own) * LONG_WAIT > remaining:
             raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and this request "
                               f"about {own:.1f} s, more than its deadline allows ({remaining:.1f} s left); retry "
                               "later", retry_after=max(1, math.ceil(backlog)))
