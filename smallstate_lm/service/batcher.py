@@ -44,9 +44,11 @@ class Job:
     no longer wanted, `seconds` the worker time it is expected to take; the batcher sets the
     timestamps and the size of the batch it joined."""
 
-    def __init__(self, cost: int, payload: Any = None, deadline: float = math.inf, seconds: float = 0.0):
+    def __init__(self, cost: int, payload: Any = None, deadline: float = math.inf, seconds: float = 0.0,
+                 long: bool | None = None):
         self.cost = max(1, int(cost))
         self.seconds = seconds  # the worker time it is expected to take
+        self.long = long  # its class; None: long when `seconds` is more than a slice
         self.payload = payload
         self.deadline = deadline
         self.cancelled = False  # the request gave up (client gone, deadline, shutdown)
@@ -265,7 +267,7 @@ class Batcher:
         return any(b.long == long for b in self._running) or any(self._is_long(j) == long for j in self._queue)
 
     def _is_long(self, job: Job) -> bool:
-        return job.seconds > self.slice_s
+        return job.long if job.long is not None else job.seconds > self.slice_s
 
     async def _wait_for_company(self) -> None:
         # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.

@@ -224,7 +224,9 @@ class Service:
             raise Unavailable("the model failed its start-up check" if self.failed else "the model is still loading",
                               retry_after=2)
         deadline = request.scope.get(T0, time.perf_counter()) + timeout
-        job = Job(work.cost, work, deadline=min(deadline, self.stop_at), seconds=self.compute.expected_seconds(work))
+        # its class by what it may take (a lattice's upper bound), its place in the backlog by what it should take
+        job = Job(work.cost, work, deadline=min(deadline, self.stop_at), seconds=self.compute.expected_seconds(work),
+                  long=work.seconds > self.batcher.slice_s)
         self._admit(job, work, deadline - time.perf_counter(), timeout)
         self.arrived(request.scope)  # no await between this and queueing: the collector sees one or the other
         future = self.batcher.submit(job)
@@ -265,7 +267,7 @@ class Service:
                                  f"left of {timeout:g} s, of which the worker shares a part with other requests)",
                                  field, timeout)
         own = job.seconds
-        if own <= self.batcher.slice_s:
+        if not job.long:
             return
         backlog = self.batcher.backlog(long=True)
         if backlog > self.batcher.slice_s and (backlog + own) * LONG_WAIT > remaining:
