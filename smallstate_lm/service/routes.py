@@ -257,8 +257,8 @@ class Service:
         must fit in their deadline with room for the other requests that share the worker (HEADROOM);
         lattices only have an upper bound, and count as the share of it that this server's lattices
         took so far. A request of one slice is always let in (small requests never wait for long ones),
-        and so is a long one when no long work is ahead of it: its own estimate is checked above, as far
-        as it is reliable."""
+        and so is a long one on an idle worker: its own estimate is checked above, as far as it is
+        reliable."""
         field = "sentences" if work.kind == "score" else "utterances"
         lists = work.seconds - work.lattice_seconds
         if lists * HEADROOM > remaining:
@@ -270,7 +270,8 @@ class Service:
         if not job.long:
             return
         backlog = self.batcher.backlog(long=True)
-        if backlog > self.batcher.slice_s and (backlog + own) * LONG_WAIT > remaining:
+        busy = backlog > self.batcher.slice_s or self.batcher.backlog(long=False) > self.batcher.slice_s
+        if busy and (backlog + own) * LONG_WAIT > remaining:
             raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and this request "
                               f"about {own:.1f} s, more than its deadline allows ({remaining:.1f} s left); retry "
                               "later", retry_after=max(1, math.ceil(backlog)))
