@@ -344,10 +344,13 @@ class Compute:
             it.cost, it.depth = tokens, max(len(s) + 1 for s in seqs)
             work.tokens_total += tokens
             if self.neural is not None:
-                size = self._trie_size(seqs)  # before any work: no model call
-                it.cost = size.total_nodes
+                if self.neural.use_tree and self.neural.share_prefixes:
+                    size = self._trie_size(seqs)  # before any work: no model call
+                    it.cost, nbytes = size.total_nodes, self._tree_bytes(size)
+                else:  # scored level by level or padded: the scorer's own estimate
+                    it.cost, nbytes = self.neural.estimate_cost([seqs])
                 work.tokens_computed += it.cost
-                work.nbytes = max(work.nbytes, self._tree_bytes(size))
+                work.nbytes = max(work.nbytes, nbytes)
             it.seconds = cm.nbest_seconds(it.cost, it.depth, tokens, neural, ngram, self.step_s)
             # lists scored whole share their calls with the request's other lists (and the batch's)
             work.seconds += it.seconds - (cm.call_s if neural and it.seconds <= self.step_s else 0.0)
