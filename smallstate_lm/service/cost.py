@@ -40,6 +40,7 @@ class CostModel:
     node_s: float = 2e-4  # tree scoring, per trie node ...
     node_depth_s: float = 2e-6  # ... plus this per node and position of its history ...
     call_s: float = 1e-3  # ... plus this per scoring call (a small piece costs more per node than a large one)
+    batch_node_s: float = 2e-4  # per node of small lists scored together (many tries in one pass), depth included
     row_s: float = 2e-4  # one lattice LM step, per row ...
     row_pos_s: float = 4e-6  # ... plus this per row and position of its state
     ngram_s: float = 2e-6  # one KenLM lookup
@@ -70,6 +71,8 @@ class CostModel:
         seconds = tokens * self.ngram_s if ngram else 0.0
         if neural:
             calls = max(1, math.ceil(nodes / self.grain_nodes(depth, step_s)))
+            if calls == 1:  # scored whole, with the batch's other small lists
+                return seconds + self.call_s + nodes * min(self.per_node(depth), self.batch_node_s)
             seconds += calls * self.call_s + nodes * self.per_node(depth)
         return seconds
 
@@ -146,6 +149,10 @@ def _calibrate_tree(cm: CostModel, neural) -> None:
     cm.node_depth_s, cm.node_s = slope, max(1e-9, s1 - slope * d1)
     s3, nodes = seconds_per_node(1, 16)
     cm.call_s = max(0.0, nodes * (s3 - cm.per_node(17)))
+    rng = random.Random(7)  # 32 utterances of 5 hypotheses of 12 words, as a batch of small requests
+    groups = [[[rng.choice(vocab) for _ in range(12)] for _ in range(5)] for _ in range(32)]
+    nodes = neural.estimate_cost(groups).trie_nodes
+    cm.batch_node_s = max(1e-9, (_timed(lambda: neural.token_logprobs(groups)) - cm.call_s) / max(1, nodes))
 
 
 def _calibrate_steps(cm: CostModel, neural) -> None:
