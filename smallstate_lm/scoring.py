@@ -260,18 +260,7 @@ class NeuralScorer:
     def _split(self, u: int, hyps: list[list[int]]) -> list[_TreeRow]:
         """Utterance u's hypotheses cut into sub-tries that fit the cap, in sorted order so
         that the hypotheses sharing a prefix stay together."""
-        rows: list[_TreeRow] = []
-        group: list[int] = []
-        size = TreeSize()
-        for j in sorted(range(len(hyps)), key=hyps.__getitem__):
-            grown = _grown(size, hyps[group[-1]] if group else None, hyps[j])
-            if group and not self._fits(grown):
-                rows.append(_TreeRow(u, group, size))
-                group, grown = [], _grown(TreeSize(), None, hyps[j])
-            group.append(j)
-            size = grown
-        rows.append(_TreeRow(u, group, size))
-        return rows
+        return [_TreeRow(u, group, size) for group, size in sorted_groups(hyps, self._fits)]
 
     def _score_trees(self, encoded, out) -> None:
         """Tree attention over each utterance's trie (or its sub-tries), batched as planned."""
@@ -371,6 +360,24 @@ def trie_size(seqs: Sequence[Sequence[int]]) -> TreeSize:
     leaf[:-1] = common < lens[:-1]
     leaf &= lens > 0
     return TreeSize(1, nodes, nodes, int(lens.max()), int((lens[leaf] + 1).sum()))
+
+
+def sorted_groups(seqs: Sequence[Sequence], fits) -> list[tuple[list[int], TreeSize]]:
+    """The indices of `seqs` in sorted order (so that sequences sharing a prefix stay together), cut into
+    groups whose one-row trie's `TreeSize` `fits(size)` (a sequence that fits alone nowhere is a group of
+    its own), each with that size."""
+    groups: list[tuple[list[int], TreeSize]] = []
+    group: list[int] = []
+    size = TreeSize()
+    for j in sorted(range(len(seqs)), key=seqs.__getitem__):
+        grown = _grown(size, seqs[group[-1]] if group else None, seqs[j])
+        if group and not fits(grown):
+            groups.append((group, size))
+            group, grown = [], _grown(TreeSize(), None, seqs[j])
+        group.append(j)
+        size = grown
+    groups.append((group, size))
+    return groups
 
 
 def _grown(size: TreeSize, prev: Sequence[int] | None, seq: Sequence[int]) -> TreeSize:

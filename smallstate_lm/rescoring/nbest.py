@@ -95,6 +95,13 @@ class ScoreStats:
     seconds: float = 0.0
 
 
+def first_pass_components(u: Utterance, known) -> Components:
+    """`u`'s Components without LM scores: the decoder's scores, word and OOV counts (`known`: `oov_reference`)."""
+    return Components(am=np.array([h.am for h in u.hyps]), graph=np.array([h.graph for h in u.hyps]),
+                      n_words=np.array([len(h.words) for h in u.hyps], dtype=np.float64),
+                      n_oov=np.array([count_oov(h.words, known) for h in u.hyps], dtype=np.float64))
+
+
 def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = None, ngram: NgramLM | None = None,
                        progress: bool = True) -> tuple[list[Components], ScoreStats]:
     """Score every hypothesis with each LM given; the neural LM sees all utterances
@@ -110,13 +117,7 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
         check_overlap(sents, neural.vocab, "the neural LM")
     if ngram is not None:
         check_overlap(sents, ngram, f"the n-gram {ngram.path}")
-    comps = []
-    for u in utts:
-        am = np.array([h.am for h in u.hyps])
-        comps.append(Components(
-            am=am, graph=np.array([h.graph for h in u.hyps]),
-            n_words=np.array([len(h.words) for h in u.hyps], dtype=np.float64),
-            n_oov=np.array([count_oov(h.words, known) for h in u.hyps], dtype=np.float64)))
+    comps = [first_pass_components(u, known) for u in utts]
     words_total = sum(len(s) for s in sents)
     stats.oov_rate = float(sum(c.n_oov.sum() for c in comps) / words_total) if words_total else 0.0
     if neural is not None:

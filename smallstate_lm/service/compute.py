@@ -27,13 +27,22 @@ from smallstate_lm.errors import ConfigError, SmallstateError
 from smallstate_lm.rescoring.lattice import Lattice, LatticeWarning, SymbolTable
 from smallstate_lm.rescoring.lattice_expand import ExpandConfig, build_rescorer
 from smallstate_lm.rescoring.lattice_io import read_fst_text
-from smallstate_lm.rescoring.nbest import Components, apply_weights, compute_components
+from smallstate_lm.rescoring.nbest import Components, apply_weights, compute_components, first_pass_components
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-from smallstate_lm.scoring import NeuralScorer, TreeSize, Weights, check_overlap, count_oov, oov_reference, trie_size
+from smallstate_lm.scoring import (
+    NeuralScorer,
+    TreeSize,
+    Weights,
+    check_overlap,
+    count_oov,
+    oov_reference,
+    sorted_groups,
+    trie_size,
+)
 from smallstate_lm.vocab import EOS_ID
 
 from .batcher import Job, drop_expired
-from .cost import CostModel, calibrate
+from .cost import CostModel, LatticeShape, calibrate, lattice_shape
 from .errors import DeadlineExceeded, ServiceError, Unavailable
 from .metrics import Metrics
 from .settings import Settings
@@ -73,6 +82,7 @@ class LatticeItem:
     lm_steps: int = 0
     seconds: float = 0.0  # predicted by the cost model: an upper bound (beam pruning is not foreseen)
     nbytes: int = 0
+    shape: LatticeShape | None = None  # what its expansion may take (computed when the request is prepared)
 
 
 @dataclass
@@ -333,8 +343,9 @@ class Compute:
             if isinstance(it, LatticeItem):
                 self._check_lattice_vocabulary(it.lattice, f"{field}.lattice")
                 work.lattice_arcs += it.lattice.num_arcs
-                est = cm.lattice(it.lattice, self.expand_config.max_per_state, self.expand_config.max_level_bytes,
-                                 neural, ngram)
+                if it.shape is None:
+                    it.shape = lattice_shape(it.lattice, self.expand_config.max_per_state)
+                est = cm.lattice(it.shape, self.expand_config.max_level_bytes, neural, ngram)
                 it.seconds, it.nbytes = est.seconds, est.nbytes
                 work.lattice_seconds += est.seconds
                 lattice_bytes.append(est.nbytes)
@@ -527,24 +538,9 @@ class Compute:
             return [(job, it, None, it.seconds)]
         grain = self.cost.grain_nodes(it.depth, self.step_s) if self.neural is not None else \
             max(1, int(self.step_s / self.cost.ngram_s))
-        order = sorted(range(len(hyps)), key=lambda j: hyps[j].words)
-        pieces, piece, nodes, prev = [], [], 0, None
-        for j in order:
-            words = hyps[j].words
-            common = 0
-            if prev is not None:
-                for x, y in zip(prev, words):
-                    if x != y:
-                        break
-                    common += 1
-            new = len(words) + 1 - common
-            if piece and nodes + new > grain:
-                pieces.append((piece, nodes))
-                piece, nodes, new = [], 0, len(words) + 1
-            piece.append(j)
-            nodes += new
-            prev = words
-        pieces.append((piece, nodes))
+        # "" ends every sequence: the trie's end-of-sentence node, and a prefix sorts before what extends it
+        pieces = [(group, size.total_nodes) for group, size in
+                  sorted_groups([h.words + [""] for h in hyps], lambda size: size.total_nodes <= grain)]
         per_node = (it.seconds - len(pieces) * self.cost.call_s) / max(1, sum(n for _, n in pieces))
         n = len(hyps)
         it.neural_tok, it.ngram_tok = [None] * n, [None] * n
@@ -565,11 +561,8 @@ class Compute:
 
     def _assembled(self, it: NbestItem) -> Components:
         """The Components of a list scored in pieces, as `compute_components` gives them."""
-        hyps = it.scored.hyps
         known = oov_reference(self.neural.vocab if self.neural is not None else None, self.ngram)
-        c = Components(am=np.array([h.am for h in hyps]), graph=np.array([h.graph for h in hyps]),
-                       n_words=np.array([len(h.words) for h in hyps], dtype=np.float64),
-                       n_oov=np.array([count_oov(h.words, known) for h in hyps], dtype=np.float64))
+        c = first_pass_components(it.scored, known)
         if self.neural is not None:
             c.neural_tok, c.neural = it.neural_tok, np.array([t.sum() for t in it.neural_tok])
         if self.ngram is not None:

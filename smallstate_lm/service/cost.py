@@ -76,34 +76,50 @@ class CostModel:
             seconds += calls * self.call_s + nodes * self.per_node(depth)
         return seconds
 
-    def lattice(self, lat: Lattice, max_per_state: int, max_level_bytes: int | None, neural: bool,
-                ngram: bool) -> Estimate:
-        """Seconds and peak LM state bytes of expanding the prepared `lat`, per level: its word arcs
-        (and finals) times the histories of their source states (the paths into it, at most
-        `max_per_state`), each row holding its level's positions; a level's rows are capped by
-        `max_level_bytes`, as the expansion caps them."""
-        n = lat.num_states
-        src, dst = lat.src.tolist(), lat.dst.tolist()
-        paths, depth = [0] * n, [0] * n
-        paths[lat.start] = 1
-        for a, b in zip(src, dst):  # prepared: topological states, arcs sorted by source
-            paths[b] = min(max_per_state, paths[b] + paths[a])
-            if depth[a] + 1 > depth[b]:
-                depth[b] = depth[a] + 1
-        paths_a, depth_a = np.array(paths, dtype=np.int64), np.array(depth, dtype=np.int64)
-        words = lat.symbols.word_flags(lat.word)
-        at = np.concatenate([lat.src[words], np.flatnonzero(lat.is_final())])
-        rows = np.bincount(depth_a[at], weights=paths_a[at], minlength=1)  # LM steps per level
+    def lattice(self, shape: "LatticeShape", max_level_bytes: int | None, neural: bool, ngram: bool) -> Estimate:
+        """Seconds and peak LM state bytes of expanding a lattice of `shape`, per level: its LM steps, each
+        row holding its level's positions; a level's rows are capped by `max_level_bytes`, as the expansion
+        caps them."""
+        rows = shape.steps
         positions = np.arange(len(rows)) + 2  # <s> and the step itself
         steps = float(rows.sum())
         row_bytes = positions * self.state_bytes_per_position + self.state_bytes_fixed
         if neural and max_level_bytes is not None and self.state_bytes_per_position:
             rows = np.minimum(rows, np.maximum(1, max_level_bytes // np.maximum(1, row_bytes)))
         seconds = float((rows * (self.row_s + self.row_pos_s * positions)).sum()) if neural else 0.0
-        seconds += steps * self.ngram_s * ngram + len(src) * self.arc_s * float(paths_a[lat.src].mean() if n else 0)
+        seconds += steps * self.ngram_s * ngram + shape.arc_paths * self.arc_s
         # a level's new states, the gathered states of its parents and the level before it still held
         peak = int(3 * (rows * row_bytes).max()) if neural and len(rows) else 0
         return Estimate(seconds, peak)
+
+
+@dataclass
+class LatticeShape:
+    """What expanding a prepared lattice may take, known before any LM work: the LM steps of each level (per
+    word arc and per final state, the histories its state may hold, i.e. the paths into it, at most
+    `max_per_state`: an upper bound), and the paths into the arcs' source states summed (bookkeeping)."""
+
+    steps: np.ndarray
+    arc_paths: float
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.steps.sum())
+
+
+def lattice_shape(lat: Lattice, max_per_state: int) -> LatticeShape:
+    """`LatticeShape` of the prepared `lat`, linear in its arcs."""
+    n = lat.num_states
+    paths, depth = [0] * n, [0] * n
+    paths[lat.start] = 1
+    for a, b in zip(lat.src.tolist(), lat.dst.tolist()):  # prepared: topological states, arcs sorted by source
+        paths[b] = min(max_per_state, paths[b] + paths[a])
+        if depth[a] + 1 > depth[b]:
+            depth[b] = depth[a] + 1
+    paths_a, depth_a = np.array(paths, dtype=np.int64), np.array(depth, dtype=np.int64)
+    at = np.concatenate([lat.src[lat.symbols.word_flags(lat.word)], np.flatnonzero(lat.is_final())])
+    steps = np.bincount(depth_a[at], weights=paths_a[at], minlength=1)
+    return LatticeShape(steps, float(paths_a[lat.src].sum()))
 
 
 def calibrate(neural, ngram) -> CostModel:

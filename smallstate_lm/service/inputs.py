@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
 from smallstate_lm.rescoring.lattice_io import read_fst_text, read_slf_text
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
 
 from .compute import Compute, LatticeItem, NbestItem, Work
+from .cost import lattice_shape
 from .errors import CostLimitError, LimitError, ServiceError
 from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
 from .settings import Settings
@@ -38,13 +37,14 @@ def rescore_work(body: RescoreRequest, compute: Compute, s: Settings) -> Work:
                 raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
                                    f"{where}.context")
             lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs)
-            steps += lattice_cost(lat, s.max_per_state)
+            shape = lattice_shape(lat, s.max_per_state)
+            steps += shape.total_steps
             if steps > s.max_lattice_cost:
                 raise CostLimitError(f"expanding the request's lattices would take up to {steps} LM steps "
                                      f"(estimated from their arcs and paths), more than the limit of "
                                      f"{s.max_lattice_cost} (max_lattice_cost)", f"{where}.lattice",
                                      s.max_lattice_cost)
-            items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest))
+            items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest, shape=shape))
         fields.append(where)
     work = compute.work("rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
     _check_cost(work, "utterances", s)
@@ -72,13 +72,7 @@ def lattice_cost(lat: Lattice, max_per_state: int) -> int:
     """An upper bound of the LM steps that expanding the prepared `lat` takes, known before any LM
     work (linear in its arcs): per word arc and per final state, the histories its state may hold,
     i.e. the paths into it, at most `max_per_state` (the expansion keeps no more per state)."""
-    paths = [0] * lat.num_states
-    paths[lat.start] = 1
-    for a, b in zip(lat.src.tolist(), lat.dst.tolist()):  # prepared: topological states, arcs sorted by source
-        paths[b] = min(max_per_state, paths[b] + paths[a])
-    histories = np.array(paths, dtype=np.int64)
-    words = lat.symbols.word_flags(lat.word)
-    return int(histories[lat.src[words]].sum() + histories[lat.is_final()].sum())
+    return lattice_shape(lat, max_per_state).total_steps
 
 
 def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, list[str]]:
