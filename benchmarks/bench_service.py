@@ -210,18 +210,15 @@ def build_requests(paths: list[str], n_hyps: int | None, limit: int) -> tuple[li
 ABUSE_SETTINGS = ("max_trie_nodes=5000", "max_lattice_cost=50000", "header_timeout_s=5", "body_timeout_s=5")
 
 
-def setting(settings: list[str], name: str) -> int:
-    return int(next(s.split("=", 1)[1] for s in reversed(settings) if s.startswith(name + "=")))
-
-
-def nbest_packs(paths: list[str], limit: int, n: int) -> list[bytes]:
+def nbest_packs(paths: list[str], limit: int, n: int, max_utts: int) -> list[bytes]:
     """`n` requests of whole dev n-best lists, each packed to 80-100% of `limit` trie nodes (counted on
-    words, which bounds the LM's count: OOVs only merge prefixes)."""
+    words, which bounds the LM's count: OOVs only merge prefixes) or to `max_utts` utterances, whichever
+    comes first."""
     utts = [u for p in paths for u in read_nbest(p)]
     reqs, k = [], 0
     while len(reqs) < n:
         body, nodes = [], 0
-        while nodes < 0.8 * limit:
+        while nodes < 0.8 * limit and len(body) < max_utts:
             u = utts[k % len(utts)]
             k += 1
             size = len({tuple(h.words[:i]) for h in u.hyps for i in range(1, len(h.words) + 1)}) + len(u.hyps)
@@ -234,9 +231,9 @@ def nbest_packs(paths: list[str], limit: int, n: int) -> list[bytes]:
     return reqs
 
 
-def lattice_packs(limit: int, max_per_state: int, n: int) -> list[bytes]:
+def lattice_packs(limit: int, max_per_state: int, n: int, max_utts: int) -> list[bytes]:
     """`n` requests of real dev lattices (OpenFST text, words as labels), each packed to 80-100% of
-    `limit` estimated LM steps."""
+    `limit` estimated LM steps or to `max_utts` lattices, whichever comes first."""
     from smallstate_lm.rescoring.lattice import SymbolTable
     from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
     from smallstate_lm.service.inputs import lattice_cost
@@ -254,7 +251,7 @@ def lattice_packs(limit: int, max_per_state: int, n: int) -> list[bytes]:
     reqs, k = [], 0
     while len(reqs) < n:
         body, total = [], 0
-        while total < 0.8 * limit:
+        while total < 0.8 * limit and len(body) < max_utts:
             cost, utt = lats[k % len(lats)]
             k += 1
             if total + cost <= limit:
@@ -527,8 +524,9 @@ def run_abuse(args: argparse.Namespace) -> None:
     server_settings = Settings.from_env(assignments=settings)  # as the server reads them (it inherits our environment)
     n_heavy = round(args.requests * args.heavy_share)
     small = [("small", r) for r in build_requests(args.nbest, 5, args.utts)[0]]
-    heavy = [r for pair in zip(nbest_packs(args.nbest, setting(settings, "max_trie_nodes"), (n_heavy + 1) // 2),
-                               lattice_packs(setting(settings, "max_lattice_cost"), 64, (n_heavy + 1) // 2))
+    half, utts = (n_heavy + 1) // 2, server_settings.max_utterances
+    heavy = [r for pair in zip(nbest_packs(args.nbest, server_settings.max_trie_nodes, half, utts),
+                               lattice_packs(server_settings.max_lattice_cost, server_settings.max_per_state, half, utts))
              for r in pair][:n_heavy]
     mixed = [small[i % len(small)] for i in range(args.requests - n_heavy)] + [("heavy", r) for r in heavy]
     random.Random(0).shuffle(mixed)
@@ -662,7 +660,7 @@ def abuse_report(args, settings, base, out, stalls, counts, rss, seconds, wedged
         f"{args.threads or os.cpu_count()} torch thread(s).",
         f"- Load: {len(out)} requests at concurrency {max(args.concurrency)}, {args.heavy_share:.0%} near-limit "
         "(hypothesis lists of dev utterances near max_trie_nodes, alternating with packs of real dev lattices near "
-        f"max_lattice_cost), the rest one utterance's 5-best list; meanwhile {args.stalls} stalled uploads (half a "
+        f"max_lattice_cost, each at most max_utterances), the rest one utterance's 5-best list; meanwhile {args.stalls} stalled uploads (half a "
         f"head, or a head and half a body) and {args.disconnects} clients that send a near-limit request and hang up "
         "after 0.05-0.5 s. Baseline: the same small requests alone, first.",
     ]

@@ -305,6 +305,12 @@ BAD_REQUESTS = [  # (body, status, field)
     ({"utterances": [utt()], "nbest": 0}, 422, "nbest"),
     ({"utterances": [utt(hyp("zzxq qqzx xxqz"))]}, 422, "utterances"),  # vocabulary mismatch
     ({"utterances": [utt(hyp("the \ud800 lord"))]}, 422, "utterances[0].hypotheses[0].text"),
+    ({"utterances": [utt({"words": ["the", "lo\ud800rd"], "am_score": 0})]}, 422,
+     "utterances[0].hypotheses[0].words[1]"),
+    ({"utterances": [{"id": "u\udfff", "hypotheses": [hyp()]}]}, 422, "utterances[0].id"),
+    # every character str.split() splits on, the rarer ones included
+    *[({"utterances": [utt({"words": [f"a{c}b"], "am_score": 0})]}, 422, "utterances[0].hypotheses[0].words[0]")
+      for c in "\x1c\x85\u2028\u3000"],
     ({"sentences": []}, 422, "sentences"),
     # words in text, context and sentences have the same length cap as words in `words`
     ({"utterances": [utt(hyp("the lord " + "x" * 1001))]}, 422, "utterances[0].hypotheses[0].text"),

@@ -58,7 +58,8 @@ class CostModel:
 
     def grain_nodes(self, depth: int, budget_s: float) -> int:
         """Trie nodes of histories up to `depth` that one tree-scoring call gets through in about `budget_s`."""
-        return max(8, int((budget_s - self.call_s) / self.per_node(depth)))
+        # a call's own cost is paid whatever its size: where it eats most of the budget, calls grow instead
+        return max(8, int((budget_s - min(self.call_s, budget_s / 2)) / self.per_node(depth)))
 
     def rows_per_call(self, positions: int, budget_s: float) -> int:
         """Lattice LM rows of `positions`-long states that one step gets through in about `budget_s`."""
@@ -138,37 +139,41 @@ def calibrate(neural, ngram) -> CostModel:
     return cm
 
 
-def _timed(fn, repeats: int = 2) -> float:
-    fn()  # kernels, caches and the allocator warm
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+def _timed(*fns, rounds: int = 5) -> list[float]:
+    """The fastest of `rounds` runs of each of `fns`, taken in turns: a moment of load on a shared machine
+    (another process, a page fault, the OS) inflates a run, never shortens one, and taking turns keeps it from
+    landing on one measurement only; a slope or per-call term from two inflated points could be off by 100x."""
+    for fn in fns:
+        fn()  # kernels, caches and the allocator warm
+    best = [math.inf] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
 def _calibrate_tree(cm: CostModel, neural) -> None:
     """Two tries of about the same nodes, shallow and as deep as long hypotheses go: per node = node_s +
-    node_depth_s * depth; then a small one for what a call costs beyond its nodes."""
+    node_depth_s * depth; a small one for what a call costs beyond its nodes; and a batch of small lists."""
     vocab = neural.vocab.words[4:] or ["a"]
 
-    def seconds_per_node(hyps: int, length: int) -> tuple[float, int]:
+    def hypotheses(hyps: int, length: int) -> list[list[str]]:
         rng = random.Random(hyps * 1000 + length)
-        seqs = [[rng.choice(vocab) for _ in range(length)] for _ in range(hyps)]
-        nodes = neural.estimate_cost([seqs]).trie_nodes
-        return _timed(lambda: neural.token_logprobs([seqs])) / max(1, nodes), nodes
+        return [[rng.choice(vocab) for _ in range(length)] for _ in range(hyps)]
 
-    (s1, _), (s2, _) = seconds_per_node(64, 8), seconds_per_node(4, 128)
+    rng = random.Random(7)  # 32 utterances of 5 hypotheses of 12 words, as a batch of small requests
+    groups = [[[rng.choice(vocab) for _ in range(12)] for _ in range(5)] for _ in range(32)]
+    tries = [[hypotheses(64, 8)], [hypotheses(4, 128)], [hypotheses(1, 16)], groups]
+    nodes = [max(1, neural.estimate_cost(t).trie_nodes) for t in tries]
+    seconds = _timed(*[lambda t=t: neural.token_logprobs(t) for t in tries])
+    (s1, s2, s3, s4) = (s / n for s, n in zip(seconds, nodes))
     d1, d2 = 9, 129  # depths (with </s>)
     slope = max(0.0, (s2 - s1) / (d2 - d1))
     cm.node_depth_s, cm.node_s = slope, max(1e-9, s1 - slope * d1)
-    s3, nodes = seconds_per_node(1, 16)
-    cm.call_s = max(0.0, nodes * (s3 - cm.per_node(17)))
-    rng = random.Random(7)  # 32 utterances of 5 hypotheses of 12 words, as a batch of small requests
-    groups = [[[rng.choice(vocab) for _ in range(12)] for _ in range(5)] for _ in range(32)]
-    nodes = neural.estimate_cost(groups).trie_nodes
-    cm.batch_node_s = max(1e-9, (_timed(lambda: neural.token_logprobs(groups)) - cm.call_s) / max(1, nodes))
+    cm.call_s = max(0.0, nodes[2] * (s3 - cm.per_node(17)))
+    cm.batch_node_s = max(1e-9, (seconds[3] - cm.call_s) / nodes[3])
 
 
 def _calibrate_steps(cm: CostModel, neural) -> None:
@@ -176,7 +181,7 @@ def _calibrate_steps(cm: CostModel, neural) -> None:
     import torch
 
     model, device, rows = neural.model, neural.device, 64
-    out = []
+    steps, positions = [], []
     for length in (1, 32):
         gen = torch.Generator().manual_seed(length)
         hist = torch.randint(4, len(neural.vocab), (rows, length), generator=gen).to(device)
@@ -184,17 +189,20 @@ def _calibrate_steps(cm: CostModel, neural) -> None:
         with torch.inference_mode():
             _, state = model.score(hist, model.initial_state(rows, device))
 
-            def one(step=step, state=state) -> None:
+        def one(step=step, state=state) -> None:
+            with torch.inference_mode():
                 model.score(step, state)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
-            out.append((_timed(one, 3) / rows, length + 2))
-    (s1, p1), (s2, p2) = out
+        steps.append(one)
+        positions.append(length + 2)  # <s> and the step itself
+    s1, s2 = (s / rows for s in _timed(*steps))
+    (p1, p2) = positions
     slope = max(0.0, (s2 - s1) / (p2 - p1))
     cm.row_pos_s, cm.row_s = slope, max(1e-9, s1 - slope * p1)
 
 
 def _calibrate_ngram(cm: CostModel, ngram) -> None:
     words = ["the", "of", "and", "to", "in", "that", "he", "shall"] * 64
-    cm.ngram_s = max(1e-9, _timed(lambda: ngram.token_logprobs(words)) / (len(words) + 1))
+    cm.ngram_s = max(1e-9, _timed(lambda: ngram.token_logprobs(words))[0] / (len(words) + 1))

@@ -48,6 +48,7 @@ from .errors import ClientGone, CostLimitError, DeadlineExceeded, ServiceError, 
 from .inputs import rescore_work, score_work
 from .metrics import Metrics
 from .schemas import (
+    NO_SPACE,
     ErrorResponse,
     LMScore,
     ModelsResponse,
@@ -308,6 +309,10 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     except RecursionError:  # arrays or objects nested thousands deep: no request of ours is
         raise RequestValidationError(TOO_DEEP) from None
     try:
+        bad = _lone_surrogate(data, ("body",))
+        if bad is not None:
+            raise RequestValidationError([{"type": "value_error", "loc": bad, "input": None,
+                                           "msg": "must be valid Unicode text (it holds a lone surrogate)"}])
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(_body_errors(e)) from None
@@ -315,12 +320,43 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise RequestValidationError(TOO_DEEP) from None
 
 
+def _lone_surrogate(data: Any, loc: tuple) -> tuple | None:
+    """Where in `data` (parsed JSON) a string or key holds a lone surrogate, which nothing downstream (KenLM, the
+    response) can encode; None when nowhere. pydantic's own parser refuses them, so only bodies it refused come
+    here."""
+    if isinstance(data, str):
+        return None if data.isascii() or _encodable(data) else loc
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        if isinstance(key, str) and not _encodable(key):
+            return loc  # the key itself could not be echoed back
+        found = _lone_surrogate(value, (*loc, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 TOO_DEEP = [{"type": "json_invalid", "loc": ("body",),
              "msg": "nested too deeply (expected the request's own few levels)"}]
 
 
 def _body_errors(e: ValidationError) -> list[dict]:
-    return [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+    return [_readable({**err, "loc": ("body", *err["loc"])}) for err in e.errors(include_url=False)]
+
+
+def _readable(err: dict) -> dict:
+    """A word's whitespace check says so, not which character class it failed."""
+    if err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == NO_SPACE:
+        return {**{k: v for k, v in err.items() if k != "ctx"}, "msg": "a word may not contain whitespace"}
+    return err
 
 
 @functools.lru_cache(maxsize=1)
