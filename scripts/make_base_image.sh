@@ -103,7 +103,7 @@ if ! chroot "$rootfs" env PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_CACHE_DIR=1 PIP_DIS
 fi
 chroot "$rootfs" python3 -c "import torch; print('[base] torch', torch.__version__)" >&2
 umount "$rootfs/proc"
-rm -rf "$rootfs"/tmp/* "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs/etc/resolv.conf"
+rm -rf "$rootfs"/tmp/* "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/lib/apt/lists/* "$rootfs/etc/resolv.conf"
 : >"$rootfs/etc/resolv.conf"
 log "importing as $TAG"
 tar -C "$rootfs" -c . | docker import -c 'ENV LANG=C.UTF-8' -c 'CMD ["python3"]' \
