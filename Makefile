@@ -1,4 +1,4 @@
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean docker-smoke
 
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,6 +19,10 @@ bench: setup
 	test -f runs/demo/lm4.bin || $(BIN)/smallstate-lm demo
 	$(BIN)/python benchmarks/bench_lattice.py
 	$(BIN)/python benchmarks/bench_precision.py
+
+# build the Docker image and check it running (scripts/docker_smoke.sh; BASE=IMAGE to build on your own base)
+docker-smoke:
+	bash scripts/docker_smoke.sh
 
 clean:
 	rm -rf .build runs/demo
