@@ -30,7 +30,7 @@ from common import command, machine, write_section
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "runs" / "convergence"
 PLOTS = ROOT / "docs"
-# the reference point of the target: a plain 4-layer nn.TransformerEncoder LM (DESIGN.md §7)
+# the reference point of the target: a plain 4-layer nn.TransformerEncoder LM (the project's reference architecture)
 REFERENCE = {410_000: 139.1, 860_000: 108.4}
 
 
@@ -127,7 +127,7 @@ def main() -> None:
             f"validated on the validation text every {args.every:,} tokens and at the end; the cell is the dev "
             f"perplexity of the checkpoint with the best validation perplexity (what `model.pt` holds). The plot "
             f"follows the longest run of each recipe; its dots are the runs with their own budget.\n\n"
-            f"Reference (a plain 4-layer `nn.TransformerEncoder` LM, DESIGN.md §7): {ref}. "
+            f"Reference (a plain 4-layer `nn.TransformerEncoder` LM, the project's reference architecture): {ref}. "
             f"Tokens/s: median training throughput of the runs on this machine's CPU at {args.threads} threads "
             f"each, {args.jobs} run(s) at a time; comparable only within this table.\n\n" + "\n".join(rows)
             + f"\n\n![dev ppl against tokens]({plot.name})\n")

@@ -46,11 +46,6 @@ class _EpochBatches:
         """The batch for global step `step` (0-based): (epoch, sequences)."""
         return step // len(self), [self.seqs[i] for i in self.batch_ids(step)]
 
-    def iter_from(self, step: int) -> Iterator[tuple[int, list[list[int]]]]:
-        while True:
-            yield self.batch(step)
-            step += 1
-
 
 @dataclass
 class BucketBatcher(_EpochBatches):

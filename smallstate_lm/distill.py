@@ -1,5 +1,5 @@
 """Knowledge distillation: a student LM (an LSTM, say) trained on a frozen teacher's
-next-token distributions as well as on the text (Irie et al. 2020, DESIGN §7).
+next-token distributions as well as on the text (Irie et al. 2020).
 
 Per real token, with temperature tau and weight lam:
 

@@ -1,4 +1,4 @@
-"""Scorers and score combination (DESIGN §4).
+"""Scorers and score combination (natural log, higher is better).
 
 Every hypothesis keeps its components separately — am, graph, neural, ngram, the
 word count and OOV count — so a sweep over weights re-ranks cached numbers and never

@@ -1,4 +1,4 @@
-"""The state contract shared by every LM (DESIGN §3).
+"""The state contract shared by every LM.
 
     state = lm.initial_state(batch_size, device)   # the state after `<s>`
     logp, state = lm.score(tokens, state)          # (B, T) natural-log target log-probs
@@ -124,7 +124,7 @@ def _nbytes(v) -> int:
 
 @runtime_checkable
 class StatefulLM(Protocol):
-    """What every language model in the project provides (DESIGN §3); every class in
+    """What every language model in the project provides (the contract above); every class in
     `smallstate_lm.models.MODELS` satisfies it.
 
     Required: `cfg`, `initial_state`, `score`, `step`, `state_numel_per_position`.

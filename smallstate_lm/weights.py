@@ -1,4 +1,4 @@
-"""Score weights and their one combination (DESIGN §4), without torch: an n-gram-only
+"""Score weights and their one combination, without torch: an n-gram-only
 rescoring or tuning run imports this, never the neural side (scoring.py).
 
 Every hypothesis keeps its components separately — am, graph, neural, ngram, the
@@ -104,7 +104,7 @@ def weight_vector(w: Weights) -> np.ndarray:
 
 
 def weighted_total(w: Weights, components: np.ndarray, linear_lm: np.ndarray | None = None) -> np.ndarray:
-    """The one weighted total (DESIGN §4), natural log, higher is better.
+    """The one weighted total, natural log, higher is better.
 
     components: (N, 6) in COMPONENTS order (log-probs and scores, counts). With interpolation="linear"
     `linear_lm` (N,) replaces the neural and n-gram columns: each row's sum over its tokens of

@@ -2,7 +2,7 @@
 verbatim as the test oracle for tests/test_expand_arrays.py: the array expansion must
 give the same expanded graph. Not part of the package.
 
-Lattice rescoring by history-merged expansion (DESIGN §4).
+Lattice rescoring by history-merged expansion.
 
 An expanded state is (lattice state, LM history key): the last n-1 words with
 `max_ngram_order=n` (histories sharing them merge, the best one kept, as in Kaldi's

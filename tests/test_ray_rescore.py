@@ -67,29 +67,47 @@ def _nbest(out):
     return [json.loads(line) for line in (out / "nbest.jsonl").read_text().splitlines()]
 
 
-def assert_same_outputs(a, b):
+def assert_same_outputs(a, b, same_batches: bool = True):
     """The two runs wrote the same files: texts equal, scores equal up to float rounding
-    (batched sums differ in the last bit with the batch's composition)."""
+    (batched sums differ in the last bit with the batch's composition). Runs whose lattices
+    went through the LM in other batches may also differ where that rounding flips a near-tie:
+    in pruning (a rescored lattice's arcs) or in ranking (hypotheses of totals within TIE)."""
     fa, fb = _files(a), _files(b)
     assert sorted(fa) == sorted(fb)
-    for name in ("best.txt", "wer.txt"):
-        if name in fa:
-            assert fa[name] == fb[name], name
-    if "nbest.jsonl" in fa:
-        for ua, ub in zip(_nbest(a), _nbest(b), strict=True):
-            assert ua["utt"] == ub["utt"]
-            for ha, hb in zip(ua["hyps"], ub["hyps"], strict=True):
-                assert ha["words"] == hb["words"]
+    if "wer.txt" in fa and same_batches:
+        assert fa["wer.txt"] == fb["wer.txt"]
+    na = {u["utt"]: u["hyps"] for u in _nbest(a)} if "nbest.jsonl" in fa else {}
+    nb = {u["utt"]: u["hyps"] for u in _nbest(b)} if "nbest.jsonl" in fb else {}
+    assert na.keys() == nb.keys()
+    for utt, ha in na.items():
+        hb = nb[utt]
+        if same_batches:
+            assert [h["words"] for h in ha] == [h["words"] for h in hb], utt
+        else:  # ranks agree in their totals; a swap only between hypotheses that tie
+            assert np.allclose([h["total"] for h in ha], [h["total"] for h in hb], rtol=1e-6, atol=TIE), utt
+        by_words = {tuple(h["words"]): h for h in hb}
+        for h in ha:
+            other = by_words.get(tuple(h["words"]))
+            if other is not None or same_batches:
                 for key in ("am", "graph", "neural", "ngram", "total"):
-                    assert math.isclose(ha[key], hb[key], rel_tol=1e-6, abs_tol=1e-5), key
+                    assert math.isclose(h[key], other[key], rel_tol=1e-6, abs_tol=1e-5), (utt, key)
+    if same_batches:
+        assert fa["best.txt"] == fb["best.txt"]
     symbols = SymbolTable.read(WORDS)
+    compared = 0
     for name in (n for n in fa if n.endswith(".lat.fst")):
         la, lb = read_fst(a / name, symbols), read_fst(b / name, symbols)
-        assert (la.num_states, la.start) == (lb.num_states, lb.start), name
-        for key in ("src", "dst", "word"):
-            assert np.array_equal(getattr(la, key), getattr(lb, key)), (name, key)
-        for key in ("graph", "acoustic", "final_graph", "final_acoustic"):
-            assert np.allclose(getattr(la, key), getattr(lb, key), rtol=1e-5, atol=1e-4), (name, key)
+        same = (la.num_states, la.start) == (lb.num_states, lb.start) and all(
+            np.array_equal(getattr(la, key), getattr(lb, key)) for key in ("src", "dst", "word"))
+        assert same or not same_batches, name
+        if same:
+            compared += 1
+            for key in ("graph", "acoustic", "final_graph", "final_acoustic"):
+                assert np.allclose(getattr(la, key), getattr(lb, key), rtol=1e-5, atol=1e-4), (name, key)
+    assert compared, "no rescored lattice kept its arcs in both runs"
+
+
+TIE = 1e-4  # nats: totals this close may swap ranks when float rounding differs
 
 
 def test_ray_run_writes_the_local_runs_files(tmp_path, ray_address, tiny_lm_dir, kenlm_model):
@@ -110,7 +128,7 @@ def test_other_batches_on_two_actors_agree_up_to_float_rounding(tmp_path, ray_ad
     _local_run(tmp_path / "local", tiny_lm_dir, kenlm_model, paths)
     rescore_lattice_files_ray(paths, _job(tiny_lm_dir, kenlm_model), tmp_path / "ray", read_text(LAT_DIR / "ref.txt"),
                               max_actors=2, batch_size=1, progress=False)
-    assert_same_outputs(tmp_path / "local", tmp_path / "ray")
+    assert_same_outputs(tmp_path / "local", tmp_path / "ray", same_batches=False)
 
 
 def test_cli_with_ray_skips_a_bad_file_like_the_local_run(tmp_path, ray_address, tiny_lm_dir, kenlm_model):

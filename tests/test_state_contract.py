@@ -1,4 +1,4 @@
-"""The invariants of DESIGN §3 for every preset (shrunk in width, not in structure)."""
+"""The state contract's invariants (smallstate_lm/state.py) for every preset (shrunk in width, not in structure)."""
 
 import random
 

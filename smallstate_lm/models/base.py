@@ -1,6 +1,6 @@
 """What the model families share: weight init, the input embedding, the feed-forward
 sublayer, causal self-attention, the pre-LayerNorm block, and the base classes that
-give every model the state contract of DESIGN §3 (`smallstate_lm.state.StatefulLM`).
+give every model the state contract (`smallstate_lm.state.StatefulLM`).
 
 `LanguageModel` declares the optional capabilities with their "absent" defaults, so a
 caller tests `model.score_tree is not None` instead of probing with hasattr.

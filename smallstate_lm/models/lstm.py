@@ -1,4 +1,4 @@
-"""The LSTM LM: the baseline of DESIGN §7 and the student of distillation.
+"""The LSTM LM: the recurrent baseline and the student of distillation.
 
 Embedding (embed_dim) -> projection to d_model when the widths differ -> `n_layers`
 stacked LSTM layers of width d_model (dropout between them) -> OutputLayer, which

@@ -1,4 +1,4 @@
-"""N-best lists the way ASR toolkits write them, read into `Utterance`s (DESIGN §4: natural log,
+"""N-best lists the way ASR toolkits write them, read into `Utterance`s (natural log,
 higher is better). NBEST_FORMATS is the one table of formats: name, what it is, how `auto`
 recognises it, and its reader. docs/nbest-inputs.md says what each toolkit's scores mean here.
 

@@ -4,8 +4,8 @@ The driver makes a dataset of the lattice paths (`ray.data.from_items`), and
 `map_batches` hands batches of them to a pool of `LatticeWorker` actors. Each actor
 loads the neural LM and the n-gram once, in its constructor (on a GPU when the
 cluster has GPUs: one GPU per actor), and rescores every batch with
-`run.rescore_lattices`, the same call the local run makes. The per-lattice
-`LatticeResult`s come back to the driver, where `run.LatticeOutputs` writes the same
+`lattice_files.rescore_lattices`, the same call the local run makes. The per-lattice
+`LatticeResult`s come back to the driver, where `lattice_files.LatticeOutputs` writes the same
 files the local run writes (rescored lattices, best.txt, nbest.jsonl, wer.txt), and
 a file that fails is reported and skipped as in the local run.
 
@@ -172,7 +172,7 @@ def rescore_lattice_files_ray(paths: Sequence[Path], job: RescoreJob, out: Path,
     CPUs; `cuda` requires GPUs. `max_actors`: the most actors at once [default: the
     cluster's GPUs, or CPUs]. `batch_size`: lattices per batch [default:
     `job.config.lattices_per_batch`]. A file that fails is reported through
-    `on_error(path, message)` and skipped, as in `run.rescore_lattice_files`.
+    `on_error(path, message)` and skipped, as in `lattice_files.rescore_lattice_files`.
     """
     try:
         import ray
