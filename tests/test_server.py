@@ -360,7 +360,7 @@ def test_malformed_bodies(server):
     _check(httpx.post(server.url + "/rescore", content=b"\xff\xfe", headers=h), 400, "body")
     r = httpx.post(server.url + "/rescore", content=b'{"utterances": [{"id": "u", "hypotheses": [{"text": "a", '
                    b'"am_score": NaN}]}]}', headers=h)
-    assert r.status_code in (400, 422) and "am_score" in r.text or "JSON" in r.text
+    _check(r, 422, "utterances[0].hypotheses[0].am_score")  # JSON's NaN parses; a score must be finite
     _check(httpx.post(server.url + "/rescore", content=b"[]", headers=h), 422)
     assert httpx.get(server.url + "/rescore").status_code == 405
     assert httpx.get(server.url + "/nothing").status_code == 404
