@@ -295,25 +295,11 @@ def ngram_eval(
                    f"{r['tokens']:,} tokens, {r['oov_words']:,} OOV words ({100 * r['oov_rate']:.2f}%)")
 
 
-def _load_lms(lm: Optional[Path], ngram: Optional[Path], device: str):
-    """(the loaded neural LM or None, the n-gram or None); at least one must be given."""
-    from .ngram import NgramLM
-
-    if lm is None and ngram is None:
-        raise ConfigError("give a neural LM (--lm DIR), an n-gram (--ngram FILE), or both")
-    loaded = None
-    if lm is not None:  # only then torch: an n-gram-only run starts without it
-        from .checkpoint import load_model
-        from .device import pick_device
-
-        loaded = load_model(lm, pick_device(device))
-    return loaded, (NgramLM(ngram) if ngram is not None else None)
-
-
 def _scorers(lm: Optional[Path], ngram: Optional[Path], device: str, batch_tokens: int, share: bool = True):
+    from .lms import load_lms
     from .scoring import NeuralScorer
 
-    loaded, ng = _load_lms(lm, ngram, device)
+    loaded, ng = load_lms(lm, ngram, device)
     if loaded is None:
         return None, ng
     dev = next(loaded.model.parameters()).device
@@ -321,9 +307,10 @@ def _scorers(lm: Optional[Path], ngram: Optional[Path], device: str, batch_token
 
 
 def _lattice_rescorer(lm, ngram, w, device, cfg):
+    from .lms import load_lms
     from .rescoring.lattice_expand import build_rescorer
 
-    loaded, ng = _load_lms(lm, ngram, device)
+    loaded, ng = load_lms(lm, ngram, device)
     return build_rescorer(w, loaded, ng, cfg)
 
 
@@ -497,7 +484,7 @@ def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_
         typer.echo(f"error: {msg} (skipped)", err=True)
 
     if jobs > 1 or ray is not None:  # workers load the models themselves, from absolute paths
-        from .rescoring.ray_runner import RescoreJob
+        from .rescoring.jobs import RescoreJob
 
         job = RescoreJob(*(str(p.resolve()) if p else None for p in (words, lm, ngram)), weights=w, config=cfg,
                          nbest=nbest)

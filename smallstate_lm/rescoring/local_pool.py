@@ -38,7 +38,7 @@ _start_error: BaseException | None = None  # why this worker could not load: rai
 
 def _start(job, ctm: CtmOptions | None, cwd: str, threads: int | None, symbols: SymbolTable | None) -> None:
     global _worker, _start_error
-    from .ray_runner import load_rescorer
+    from .jobs import load_rescorer
 
     os.chdir(cwd)  # relative paths as the user typed them, and error messages that name them so
     try:

@@ -27,56 +27,14 @@ import math
 import os
 import pickle
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, SmallstateError
-from ..weights import Weights
-from .lattice_expand import ExpandConfig, LatticeRescorer, build_rescorer
+from .jobs import RescoreJob, load_rescorer
 from .lattice_files import LatticeOutputs, LatticeRunSummary, rescore_lattices
-
-
-@dataclass(frozen=True)
-class RescoreJob:
-    """What a worker needs to rescore lattices, by absolute path (see the module
-    docstring): the decoder's words.txt (None for HTK SLF lattices), a neural LM run
-    directory or checkpoint and/or a KenLM file, weights and expansion settings, the
-    number of distinct word sequences to keep per lattice, and whether to keep the
-    rescored lattices."""
-
-    words: str | None
-    lm: str | None
-    ngram: str | None
-    weights: Weights
-    config: ExpandConfig
-    nbest: int = 10
-    write_lattices: bool = True
-
-    def __post_init__(self):
-        if self.lm is None and self.ngram is None:
-            raise ConfigError("give a neural LM (--lm DIR), an n-gram (--ngram FILE), or both")
-        for name in ("words", "lm", "ngram"):
-            p = getattr(self, name)
-            if p is not None and not os.path.isabs(p):
-                raise ConfigError(f"RescoreJob.{name} must be an absolute path (workers may run elsewhere), got {p!r}")
-
-
-def load_rescorer(job: RescoreJob, device: str = "cpu") -> LatticeRescorer:
-    """Load the job's LMs on `device` (cpu, cuda, cuda:N) into a LatticeRescorer; torch is imported only
-    for a neural LM (an n-gram-only worker starts in a tenth of the time)."""
-    from ..ngram import NgramLM
-
-    ngram = NgramLM(job.ngram) if job.ngram is not None else None
-    if job.lm is None:
-        return build_rescorer(job.weights, None, ngram, job.config, "cpu")
-    from ..checkpoint import load_model
-    from ..device import pick_device
-
-    dev = pick_device(device)
-    return build_rescorer(job.weights, load_model(job.lm, dev), ngram, job.config, dev)
 
 
 class LatticeWorker:
