@@ -9,7 +9,7 @@ __all__ = ["Settings", "create_app", "serve"]
 def __getattr__(name: str):
     # FastAPI, uvicorn and torch are imported only when the app is wanted.
     if name in ("create_app", "serve"):
-        from . import routes
+        from . import http
 
-        return getattr(routes, name)
+        return getattr(http, name)
     raise AttributeError(name)

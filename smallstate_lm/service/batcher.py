@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .errors import Unavailable
@@ -109,19 +110,29 @@ def _advance(steps: Iterator[Any], budget_s: float, waiting: Callable[[], bool] 
     return True
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """How batches are formed and run (the settings of the same names, in seconds here)."""
+
+    batching: bool = True  # False: every job is a batch of its own
+    max_batch_cost: int = 32768  # tokens of one batch
+    max_wait_s: float = 0.005  # longest wait of the oldest queued job for company
+    max_queue: int = 256  # jobs waiting; beyond it, Unavailable
+    slice_s: float = 0.05  # worker time a batch gets before the worker turns to other work
+
+
 class Batcher:
-    def __init__(self, work: WorkFn, *, batching: bool = True, max_batch_cost: int = 32768, max_wait_s: float = 0.005,
-                 max_queue: int = 256, slice_s: float = 0.05, metrics: Metrics | None = None,
+    def __init__(self, work: WorkFn, limits: BatchLimits = BatchLimits(), metrics: Metrics | None = None,
                  arriving: Callable[[], int] | None = None, on_idle: Callable[[int], None] | None = None):
         self.work = work
         self.on_idle = on_idle  # called with the cost of the batches finished since the worker was last idle
         self._cost_since_idle = 0
         self.arriving = arriving  # None: always wait max_wait_s for company
-        self.batching = batching
-        self.max_batch_cost = max_batch_cost
-        self.max_wait_s = max_wait_s
-        self.max_queue = max_queue
-        self.slice_s = slice_s
+        self.batching = limits.batching
+        self.max_batch_cost = limits.max_batch_cost
+        self.max_wait_s = limits.max_wait_s
+        self.max_queue = limits.max_queue
+        self.slice_s = limits.slice_s
         self.metrics = metrics
         self._queue: collections.deque[Job] = collections.deque()
         self._queued_cost = 0

@@ -1,5 +1,5 @@
 """Errors the service answers with an error body of their own (never a 500). They say what went
-wrong and where (`field`, `limit`); routes.py alone decides the status code of each class."""
+wrong and where (`field`, `limit`); http/errors.py alone decides the status code of each class."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Validated requests -> the compute module's work: the limits of the settings, hypothesis lists
-as `Utterance`s, lattice text parsed into prepared `Lattice`s, the request's weights. Every problem
+"""Validated requests -> the worker's work: the limits of the settings, hypothesis lists as
+`Utterance`s, lattice text parsed into prepared `Lattice`s, the request's weights. Every problem
 is a ServiceError naming the request field. Pure functions of the request and the loaded models,
-so routes.py may run them on any thread."""
+so the routes may run them on any thread."""
 
 from __future__ import annotations
 
@@ -11,27 +11,28 @@ from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolT
 from smallstate_lm.rescoring.lattice_io import read_fst_text, read_slf_text
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
 
-from .compute import Compute, LatticeItem, NbestItem, Work
 from .cost import lattice_shape
 from .errors import CostLimitError, LimitError, ServiceError
+from .model import Models
 from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
 from .settings import Settings
+from .work import LatticeItem, NbestItem, Work, make_work, nbest_item, request_weights
 
 
-def rescore_work(body: RescoreRequest, compute: Compute, s: Settings) -> Work:
+def rescore_work(body: RescoreRequest, models: Models, s: Settings) -> Work:
     if len(body.utterances) > s.max_utterances:
         raise LimitError(f"{len(body.utterances)} utterances, more than the limit of {s.max_utterances} "
                          f"(max_utterances)", "utterances", s.max_utterances)
     if body.nbest is not None and body.nbest > s.max_nbest:
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
-    weights = compute.request_weights(body.weights.model_dump(exclude_none=True) if body.weights else {})
+    weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
     items: list[NbestItem | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
-            items.append(compute.nbest_item(*_hypotheses(u, where, s)))
+            items.append(nbest_item(*_hypotheses(u, where, s)))
         else:
             if u.context is not None:
                 raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
@@ -46,7 +47,7 @@ def rescore_work(body: RescoreRequest, compute: Compute, s: Settings) -> Work:
                                      s.max_lattice_cost)
             items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest, shape=shape))
         fields.append(where)
-    work = compute.work("rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
+    work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
     _check_cost(work, "utterances", s)
     return work
 
@@ -95,7 +96,7 @@ def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, lis
     return Utterance(u.id, hyps), context
 
 
-def score_work(body: ScoreRequest, compute: Compute, s: Settings) -> Work:
+def score_work(body: ScoreRequest, models: Models, s: Settings) -> Work:
     if len(body.sentences) > s.max_utterances:
         raise LimitError(f"{len(body.sentences)} sentences, more than the limit of {s.max_utterances} "
                          f"(max_utterances)", "sentences", s.max_utterances)
@@ -105,9 +106,9 @@ def score_work(body: ScoreRequest, compute: Compute, s: Settings) -> Work:
         if len(words) > s.max_words:
             raise LimitError(f"{len(words)} words, more than the limit of {s.max_words} (max_words)",
                              f"sentences[{i}]", s.max_words)
-        items.append(compute.nbest_item(Utterance(str(i), [Hypothesis(words=words)]), []))
+        items.append(nbest_item(Utterance(str(i), [Hypothesis(words=words)]), []))
         fields.append(f"sentences[{i}]")
-    work = compute.work("score", items, fields, compute.weights, token_logprobs=body.return_token_logprobs)
+    work = make_work(models, "score", items, fields, models.weights, token_logprobs=body.return_token_logprobs)
     _check_cost(work, "sentences", s)
     return work
 

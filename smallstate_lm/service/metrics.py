@@ -1,5 +1,5 @@
 """Prometheus metrics, in a registry of the app's own (several apps in one process,
-as in tests, do not collide). routes.py counts the HTTP requests into them."""
+as in tests, do not collide). The HTTP middleware counts the requests into them, the worker the tokens."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def _words(s: str) -> str:
 
 
 # Strings hold valid Unicode only: the JSON parser refuses lone surrogates (KenLM and the response could not
-# encode them), and a body it refuses is checked as a whole (routes._parse).
+# encode them), and a body it refuses is checked as a whole (http/bodies.py, `_parse`).
 Text = str
 Words = Annotated[str, AfterValidator(_words)]
 # OpenAPI shows the readable \S (its regex dialect has no exact spelling of str.isspace).

@@ -1,0 +1,206 @@
+"""A request's work: its hypothesis lists and prepared lattices as the worker takes them, with what
+they are predicted to cost (tokens, seconds, bytes) before any of it is done. Library objects in
+(`Utterance`s, `Lattice`s, `Weights`), no HTTP and no request schemas; runs on any thread, reading
+the loaded models only."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from smallstate_lm.errors import ConfigError, SmallstateError
+from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
+from smallstate_lm.rescoring.lattice_io import read_fst_text
+from smallstate_lm.rescoring.nbest import Components
+from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
+from smallstate_lm.scoring import TreeSize, Weights, check_overlap, trie_size
+from smallstate_lm.vocab import EOS_ID
+
+from .cost import LatticeShape, lattice_shape
+from .errors import ServiceError
+from .model import Models
+
+
+@dataclass
+class NbestItem:
+    """One hypothesis list. `scored` is what the LMs see (context words first), `plain` the same
+    hypotheses without the context; both have the hypotheses' positions as ids, `ids` holds
+    the ids they came with."""
+
+    scored: Utterance
+    plain: Utterance
+    ids: list[str]
+    context: int  # number of context words in front of every hypothesis of `scored`
+    comps: Components | None = None
+    cost: int = 0  # neural LM tokens computed (trie nodes)
+    depth: int = 0  # tokens of its longest hypothesis (with the context and </s>)
+    seconds: float = 0.0  # predicted by the cost model
+    # scored in pieces (hypothesis indices each) when one step would take too long; their LM scores meanwhile
+    neural_tok: list | None = None
+    ngram_tok: list | None = None
+
+
+@dataclass
+class LatticeItem:
+    lattice: Lattice  # prepared; its name is the utterance id
+    n: int  # distinct word sequences to return
+    hyps: list[dict] | None = None  # ExpandedLattice.nbest
+    lm_steps: int = 0
+    seconds: float = 0.0  # predicted by the cost model: an upper bound (beam pruning is not foreseen)
+    nbytes: int = 0
+    shape: LatticeShape | None = None  # what its expansion may take (computed when the request is prepared)
+
+
+@dataclass
+class Work:
+    """One request: its items in request order, the request field of each (for error messages)
+    and its token counts (its cost in a batch)."""
+
+    kind: Literal["rescore", "score"]
+    weights: Weights
+    items: list[NbestItem | LatticeItem]
+    fields: list[str]
+    nbest: int | None = None  # hypotheses returned per list; None: all
+    token_logprobs: bool = False
+    tokens_total: int = 0
+    tokens_computed: int = 0
+    lattice_arcs: int = 0
+    seconds: float = 0.0  # predicted: hypothesis lists, plus the lattices' upper bound
+    lattice_seconds: float = 0.0  # the lattices' part of it
+    nbytes: int = 0  # predicted peak working memory and LM state
+    error: BaseException | None = None
+
+    @property
+    def cost(self) -> int:
+        return self.tokens_computed + self.lattice_arcs
+
+
+def request_weights(models: Models, overrides: dict[str, Any]) -> Weights:
+    """The server's default weights with a request's `overrides`; errors name the field."""
+    w = models.weights
+    if overrides:
+        try:
+            w = dataclasses.replace(w, **overrides)
+        except ConfigError as e:
+            raise ServiceError(str(e), "weights") from None
+    if w.interpolation == "linear" and (models.neural is None or models.ngram is None):
+        raise ServiceError("linear interpolation needs both a neural LM and an n-gram; this server has "
+                           + ("no n-gram" if models.ngram is None else "no neural LM"), "weights.interpolation")
+    return w
+
+
+def nbest_item(utt: Utterance, context: list[str]) -> NbestItem:
+    """`utt`'s hypotheses, scored after the `context` words (their own log-probs not counted)."""
+    plain = Utterance(utt.utt, [Hypothesis(words=h.words, am=h.am, graph=h.graph, id=str(j))
+                                for j, h in enumerate(utt.hyps)])
+    scored = plain
+    if context:
+        scored = Utterance(utt.utt, [Hypothesis(words=context + h.words, am=h.am, graph=h.graph, id=h.id)
+                                     for h in plain.hyps])
+    ids = [h.id if h.id is not None else str(j) for j, h in enumerate(utt.hyps)]
+    return NbestItem(scored=scored, plain=plain, ids=ids, context=len(context))
+
+
+def make_work(models: Models, kind: Literal["rescore", "score"], items: list[NbestItem | LatticeItem],
+              fields: list[str], weights: Weights, nbest: int | None = None, token_logprobs: bool = False) -> Work:
+    """A request's work with its token counts (the tokens its hypotheses have, the ones a
+    prefix-sharing scorer computes), lattice arcs, and predicted seconds and bytes."""
+    work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest, token_logprobs=token_logprobs)
+    neural, cm = models.neural is not None, models.cost
+    lattice_bytes = []
+    for it, field in zip(items, fields):
+        if isinstance(it, LatticeItem):
+            lattice_bytes.append(_estimate_lattice(models, it, field))
+            work.lattice_arcs += it.lattice.num_arcs
+            work.lattice_seconds += it.seconds
+        else:
+            tokens, nbytes = _estimate_list(models, it)
+            work.tokens_total += tokens
+            work.nbytes = max(work.nbytes, nbytes)
+            work.tokens_computed += it.cost if neural else 0
+            # lists scored whole share their calls with the request's other lists (and the batch's)
+            work.seconds += it.seconds - (cm.call_s if neural and it.seconds <= models.step_s else 0.0)
+    if neural and any(isinstance(it, NbestItem) for it in items):
+        work.seconds += cm.call_s
+    work.seconds += work.lattice_seconds
+    # lattices are expanded expand_config.batch_lattices at a time
+    together = models.expand_config.lattices_per_batch(neural)
+    work.nbytes = max(work.nbytes, sum(sorted(lattice_bytes)[-together:]))
+    return work
+
+
+def _estimate_lattice(models: Models, it: LatticeItem, field: str) -> int:
+    """Checks the lattice's words and sets its predicted seconds; returns its predicted peak bytes."""
+    check_lattice_vocabulary(models, it.lattice, f"{field}.lattice")
+    if it.shape is None:
+        it.shape = lattice_shape(it.lattice, models.expand_config.max_per_state)
+    est = models.cost.lattice(it.shape, models.expand_config.max_level_bytes, models.neural is not None,
+                              models.ngram is not None)
+    it.seconds, it.nbytes = est.seconds, est.nbytes
+    return est.nbytes
+
+
+def _estimate_list(models: Models, it: NbestItem) -> tuple[int, int]:
+    """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
+    tokens and predicted peak bytes."""
+    seqs = [h.words for h in it.scored.hyps]
+    tokens = sum(len(s) + 1 for s in seqs)
+    it.cost, it.depth = tokens, max(len(s) + 1 for s in seqs)
+    nbytes = 0
+    neural = models.neural
+    if neural is not None:
+        if neural.use_tree and neural.share_prefixes:
+            size = _trie_size(models, seqs)  # before any work: no model call
+            it.cost, nbytes = size.total_nodes, _tree_bytes(models, size)
+        else:  # scored level by level or padded: the scorer's own estimate
+            it.cost, nbytes = neural.estimate_cost([seqs])
+    it.seconds = models.cost.nbest_seconds(it.cost, it.depth, tokens, neural is not None, models.ngram is not None,
+                                           models.step_s)
+    return tokens, nbytes
+
+
+def _trie_size(models: Models, seqs: list[list[str]]) -> TreeSize:
+    """The size of the prefix trie the scorer builds over `seqs` (`trie_size` of their token ids), with each
+    distinct word encoded once: a request of 1,000 x 100 words is sized in a few milliseconds."""
+    distinct = set(itertools.chain.from_iterable(seqs))
+    ids = dict(zip(distinct, models.neural.vocab.encode(list(distinct))))
+    return trie_size([[ids[w] for w in words] + [EOS_ID] for words in seqs])
+
+
+def _tree_bytes(models: Models, size: TreeSize) -> int:
+    """Peak working memory of scoring a trie of `size` in pieces: its plan's, or the scorer's cap when
+    the plan runs in blocks or sub-tries (one hypothesis over the cap is refused by the scorer itself)."""
+    neural = models.neural
+    cap = neural.max_work_bytes
+    one = dataclasses.replace(size, total_nodes=size.max_depth, max_nodes=size.max_depth,
+                              path_len=size.max_depth + 1)
+    whole = size.nbytes(neural.model, cap)
+    return max(one.nbytes(neural.model, cap), min(whole, cap if cap is not None else 1 << 62))
+
+
+def check_lattice_vocabulary(models: Models, lat: Lattice, field: str) -> None:
+    """The overlap check of hypothesis lists, on a lattice's words: a lattice in the wrong
+    vocabulary is refused like a list in it (422), not scored as all <unk>."""
+    words = [[lat.symbols.word(i) for i in lat.word[lat.symbols.word_flags(lat.word)].tolist()]]
+    try:
+        if models.neural is not None:
+            check_overlap(words, models.neural.vocab, "the neural LM")
+        if models.ngram is not None:
+            check_overlap(words, models.ngram, "the n-gram")
+    except SmallstateError as e:
+        raise ServiceError(str(e), field) from None
+
+
+def warmup_work(models: Models) -> list[Work]:
+    """A sentence and a two-word lattice: the first real request then finds every code path
+    (kernels, allocator, KenLM pages) warm."""
+    words = models.loaded.vocab.words[3:8] if models.loaded is not None else ["the", "of", "and"]
+    sentence = make_work(models, "score", [nbest_item(Utterance("0", [Hypothesis(words=list(words))]), [])],
+                         ["sentences[0]"], models.weights)
+    fst = f"0 1 {words[0]} {words[0]} 1.0,1.0\n1 2 {words[1]} {words[1]} 1.0,1.0\n2 0.0,0.0\n"
+    lat = read_fst_text(fst, SymbolTable.from_words(list(words[:2])), name="warmup")
+    lattice = make_work(models, "rescore", [LatticeItem(lat.prepare(), models.s.lattice_nbest)], ["utterances[0]"],
+                        models.weights)
+    return [sentence, lattice]

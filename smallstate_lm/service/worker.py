@@ -1,0 +1,345 @@
+"""The worker's side: it scores the batches of work the batcher hands it, on the one thread that
+touches the models, in steps of about `slice_ms` between which deadlines, hang-ups and shutdown
+are honoured. Numbers come from the library functions the CLI uses (`compute_components` for
+hypothesis lists, `LatticeRescorer.expand_many` and `ExpandedLattice.nbest` for lattices), so a
+request scores exactly as `smallstate-lm rescore` does on the same input."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter, defaultdict
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from smallstate_lm.errors import SmallstateError
+from smallstate_lm.rescoring.nbest import Components, compute_components, first_pass_components
+from smallstate_lm.scoring import check_overlap, sorted_groups
+
+from .batcher import Job, drop_expired
+from .errors import DeadlineExceeded, ServiceError, Unavailable
+from .metrics import Metrics
+from .model import Models
+from .results import result
+from .work import LatticeItem, NbestItem, Work
+
+log = logging.getLogger("smallstate_lm.service")
+_DONE = object()
+Deliver = Callable[[Job, Any], None]
+
+
+class Worker:
+    """Runs batches (`run_batch`) on the worker thread and learns, from the lattices it expands, how
+    much of their predicted upper bound they take."""
+
+    def __init__(self, models: Models, metrics: Metrics | None = None):
+        self.models = models
+        self.metrics = metrics
+        # measured / predicted seconds of lattice expansion on this server (the prediction is an upper bound:
+        # beam pruning keeps real lattices far below it); learned as lattices finish
+        self.lattice_ratio = 0.1
+
+    def expected_seconds(self, work: Work) -> float:
+        """What the worker is expected to spend on `work`: hypothesis lists as predicted, lattices at the
+        share of their upper bound that this server's lattices have taken so far."""
+        return work.seconds - work.lattice_seconds + self.lattice_ratio * work.lattice_seconds
+
+    def run_batch(self, jobs: list[Job], deliver: Deliver) -> Iterator[None]:
+        """Score every job (payload: Work) of a batch together, a step of about `step_s` predicted
+        seconds at a time: the hypothesis lists and sentences of all jobs (small ones together, large
+        ones in pieces), then the lattices, one `expand_many` per distinct weights, a step per LM call
+        of a level. Each job gets its Result, or its error, from `deliver` as soon as it is ready; the
+        work of a job that expired (cancelled, past its deadline, shutdown) stops at the next step.
+        The batcher runs the steps in time slices, between which other batches run."""
+        steps = self._steps(jobs, deliver)
+        while True:
+            # Per step, not around the generator: batches interleave on the worker thread, and a mode entered
+            # before a yield would leak into another batch's steps and be undone by them.
+            with torch.inference_mode():
+                if next(steps, _DONE) is _DONE:
+                    return
+            yield
+
+    def _steps(self, jobs: list[Job], deliver: Deliver) -> Iterator[None]:
+        t0 = time.perf_counter()
+        totals = [0, 0]  # tokens scored and computed, for the throughput metric
+        live = []
+        for job in jobs:
+            w: Work = job.payload
+            w.error = None
+            if self._stop(job, "queued"):
+                deliver(job, w.error)
+                continue
+            try:
+                self._check_vocabulary(w)
+            except SmallstateError as e:
+                w.error = _as_service_error(e, w)
+            live.append(job)
+        lattices = [job for job in live if any(isinstance(it, LatticeItem) for it in job.payload.items)]
+
+        def lists_done(job: Job) -> None:  # a request of hypothesis lists only is answered at once
+            if job not in lattices or job.payload.error is not None:
+                self._answer(job, t0, deliver, totals)
+
+        yield from self._score_lists(live, lists_done)
+        lattices = [job for job in lattices if job.payload.error is None]
+        yield from self._expand_lattices(lattices, lambda job: self._answer(job, t0, deliver, totals))
+        if self.metrics is not None:
+            self.metrics.observe_tokens(totals[0], totals[1], time.perf_counter() - t0)
+
+    def _stop(self, job: Job, stage: str = "running") -> bool:
+        """Whether the job's work stops here: it failed, or it expired (then its error says so)."""
+        w: Work = job.payload
+        if w.error is None and drop_expired(job, stage, self.metrics):
+            w.error = DeadlineExceeded("the request's work was stopped: it was cancelled or its deadline passed")
+        return w.error is not None
+
+    def _answer(self, job: Job, t0: float, deliver: Deliver, totals: list[int]) -> None:
+        w: Work = job.payload
+        res = None
+        if w.error is None:
+            try:
+                res = result(self.models, w, job, t0)
+            except SmallstateError as e:
+                w.error = _as_service_error(e, w)
+            except Exception as e:  # a bug: the route turns it into a 500 and it is logged
+                w.error = e
+        if res is None:
+            deliver(job, w.error)
+            return
+        totals[0] += res.counts.tokens_total
+        totals[1] += res.counts.tokens_computed
+        deliver(job, res)
+
+    def _check_vocabulary(self, w: Work) -> None:
+        """The overlap check of compute_components, per request: a request in the wrong
+        vocabulary fails alone instead of failing the batch it shares."""
+        sents = [h.words for it in w.items if isinstance(it, NbestItem) for h in it.scored.hyps]
+        if self.models.neural is not None:
+            check_overlap(sents, self.models.neural.vocab, "the neural LM")
+        if self.models.ngram is not None:
+            check_overlap(sents, self.models.ngram, "the n-gram")
+
+    # ---- hypothesis lists --------------------------------------------------------------------------
+    def _score_lists(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
+        """The jobs' hypothesis lists, the smallest requests first, a step per about `step_s` of predicted
+        work: small lists share a `compute_components` call; a list predicted to take longer than a step
+        is scored in pieces of whole hypotheses (sharing their prefixes) that each fit one. `done(job)`
+        once a job's lists are scored (or it failed or stopped)."""
+        jobs = sorted(jobs, key=lambda j: j.cost)
+        units = []  # (job, item, hypothesis indices of a piece or None for all, predicted seconds)
+        for job in jobs:
+            if job.payload.error is not None:
+                continue
+            for it in job.payload.items:
+                if isinstance(it, NbestItem):
+                    units += self._units(job, it)
+        left = Counter(job for job, *_ in units)
+        parts_left = Counter(id(it) for _, it, part, _ in units if part is not None)
+        for job in jobs:
+            if not left[job]:
+                done(job)
+        call_s, step_s = self.models.cost.call_s, self.models.step_s
+        chunk, seconds = [], call_s  # whole lists share their call
+        for k, unit in enumerate(units):
+            chunk.append(unit)
+            seconds += unit[3] - (call_s if unit[2] is None else 0.0)
+            if seconds >= step_s or k == len(units) - 1:
+                live = [u for u in chunk if not self._stop(u[0])]
+                whole = [(job, it) for job, it, part, _ in live if part is None]
+                if whole:
+                    self._score_chunk(whole)
+                for job, it, part, _ in live:
+                    if part is not None:
+                        self._score_part(job, it, part)
+                        parts_left[id(it)] -= 1
+                        if parts_left[id(it)] == 0 and job.payload.error is None:
+                            it.comps = self._assembled(it)
+                for job, *_ in chunk:
+                    left[job] -= 1
+                    if left[job] == 0:
+                        done(job)
+                chunk, seconds = [], call_s
+                yield
+
+    def _units(self, job: Job, it: NbestItem) -> list[tuple]:
+        """`it` as one unit of work, or as pieces of whole hypotheses (sorted, so that hypotheses sharing
+        a prefix stay together) of at most a step's worth of trie nodes each."""
+        hyps, cost, step_s = it.scored.hyps, self.models.cost, self.models.step_s
+        if it.seconds <= step_s or len(hyps) == 1:
+            return [(job, it, None, it.seconds)]
+        grain = cost.grain_nodes(it.depth, step_s) if self.models.neural is not None else \
+            max(1, int(step_s / cost.ngram_s))
+        # "" ends every sequence: the trie's end-of-sentence node, and a prefix sorts before what extends it
+        pieces = [(group, size.total_nodes) for group, size in
+                  sorted_groups([h.words + [""] for h in hyps], lambda size: size.total_nodes <= grain)]
+        per_node = (it.seconds - len(pieces) * cost.call_s) / max(1, sum(n for _, n in pieces))
+        n = len(hyps)
+        it.neural_tok, it.ngram_tok = [None] * n, [None] * n
+        return [(job, it, np.array(p), cost.call_s + per_node * k) for p, k in pieces]
+
+    def _score_part(self, job: Job, it: NbestItem, part: np.ndarray) -> None:
+        """The LM scores of some of `it`'s hypotheses (the request's vocabulary was checked as a whole)."""
+        words = [it.scored.hyps[j].words for j in part.tolist()]
+        neural, ngram = self.models.neural, self.models.ngram
+        try:
+            if neural is not None:
+                for j, t in zip(part.tolist(), neural.token_logprobs([words])[0]):
+                    it.neural_tok[j] = t
+            if ngram is not None:
+                for j, w in zip(part.tolist(), words):
+                    it.ngram_tok[j] = ngram.token_logprobs(w)
+        except Exception as e:
+            job.payload.error = _failure(e, job.payload)
+
+    def _assembled(self, it: NbestItem) -> Components:
+        """The Components of a list scored in pieces, as `compute_components` gives them."""
+        c = first_pass_components(it.scored, self.models.known)
+        if self.models.neural is not None:
+            c.neural_tok, c.neural = it.neural_tok, np.array([t.sum() for t in it.neural_tok])
+        if self.models.ngram is not None:
+            c.ngram_tok, c.ngram = it.ngram_tok, np.array([t.sum() for t in it.ngram_tok])
+        it.neural_tok = it.ngram_tok = None
+        return c
+
+    def _score_chunk(self, pairs: list[tuple[Job, NbestItem]]) -> None:
+        neural, ngram = self.models.neural, self.models.ngram
+        try:
+            comps, _ = compute_components([it.scored for _, it in pairs], neural, ngram, progress=False)
+            for (_, it), c in zip(pairs, comps):
+                it.comps = c
+        except Exception as e:
+            # One request must not fail the others: score them one by one to find the culprit.
+            by_job: dict[Job, list[NbestItem]] = defaultdict(list)
+            if len({job for job, _ in pairs}) == 1:
+                pairs[0][0].payload.error = _failure(e, pairs[0][0].payload)
+                return
+            log.warning("merged batch failed; scoring its requests one by one", exc_info=not _out_of_memory(e))
+            for job, it in pairs:
+                by_job[job].append(it)
+            for job, items in by_job.items():
+                if self._stop(job):
+                    continue
+                try:
+                    comps, _ = compute_components([it.scored for it in items], neural, ngram, progress=False)
+                    for it, c in zip(items, comps):
+                        it.comps = c
+                except Exception as e:
+                    job.payload.error = _failure(e, job.payload)
+
+    # ---- lattices -----------------------------------------------------------------------------------
+    def _expand_lattices(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
+        """The jobs' lattices, one expansion per distinct weights, a step per level; `done(job)`
+        once all lattices of a job are expanded (or it failed or stopped)."""
+        groups: dict[tuple, list[tuple[Job, int, LatticeItem]]] = defaultdict(list)
+        for job in jobs:
+            for k, it in enumerate(job.payload.items):
+                if isinstance(it, LatticeItem):
+                    groups[dataclasses.astuple(job.payload.weights)].append((job, k, it))
+        left = Counter(job for members in groups.values() for job, _, _ in members)
+
+        def finished(job: Job) -> None:
+            left[job] -= 1
+            if left[job] == 0:
+                done(job)
+
+        for members in groups.values():
+            yield from _LatticeGroup(self, members, finished).expand()
+
+
+class _LatticeGroup:
+    """Lattices of a batch that share their weights: one expansion, paused after every LM call of about
+    `step_s`. When it fails, the lattices not yet done are expanded one at a time, with the same stops and
+    pauses, to find the one that fails. `finished(job)` once per lattice, done, failed or stopped."""
+
+    def __init__(self, worker: Worker, members: list[tuple[Job, int, LatticeItem]],
+                 finished: Callable[[Job], None]):
+        self.worker, self.members, self.finished = worker, members, finished
+        self.accounted: set[int] = set()  # the lattices expanded
+        self.spent = 0.0  # worker seconds
+
+    def expand(self) -> Iterator[None]:
+        try:
+            yield from self._run(list(range(len(self.members))))
+        except Exception as e:
+            rest = [i for i in range(len(self.members)) if i not in self.accounted]
+            if len(rest) == 1:
+                self._failed(rest[0], e)
+                rest = []
+            else:
+                log.warning("merged lattice expansion failed; expanding the rest one by one",
+                            exc_info=not _out_of_memory(e))
+            for i in rest:
+                if self._stop(i):
+                    continue
+                try:
+                    yield from self._run([i])
+                except Exception as e:
+                            self._failed(i, e)
+        bound = sum(it.seconds for i, (_, _, it) in enumerate(self.members) if i in self.accounted)
+        if bound > 0 and self.spent > 0:  # learn what share of the bound this server's lattices take
+            ratio = self.worker.lattice_ratio
+            self.worker.lattice_ratio = min(1.0, max(0.01, 0.8 * ratio + 0.2 * self.spent / bound))
+        for i, (job, _, _) in enumerate(self.members):  # failed or stopped: answered with their error
+            if i not in self.accounted:
+                self.finished(job)
+
+    def _run(self, indices: list[int]) -> Iterator[None]:
+        lattices = [self.members[i][2].lattice for i in indices]
+        rescorer = self.worker.models.rescorer(self.members[0][0].payload.weights)
+        t = time.perf_counter()
+        for out in rescorer.expand_many(lattices, on_error=lambda k, e: self._failed(indices[k], e),
+                                        should_stop=lambda k: self._stop(indices[k]), pause=True):
+            if out is not None:
+                self._take(indices[out[0]], out[1])
+            self.spent += time.perf_counter() - t
+            yield
+            t = time.perf_counter()
+        self.spent += time.perf_counter() - t
+
+    def _failed(self, i: int, e: BaseException) -> None:
+        job, k, _ = self.members[i]
+        w = job.payload
+        if w.error is None:
+            w.error = _failure(e, w, f"{w.fields[k]}.lattice")
+
+    def _take(self, i: int, exp) -> None:
+        job, _, it = self.members[i]
+        it.hyps = exp.nbest(job.payload.weights, it.n)
+        it.lm_steps = exp.stats.lm_rows
+        self.accounted.add(i)
+        self.finished(job)
+
+    def _stop(self, i: int) -> bool:  # between LM calls: a lattice of a failed or expired job is dropped
+        return self.worker._stop(self.members[i][0])
+
+
+def _as_service_error(e: BaseException, w: Work, field: str | None = None) -> ServiceError:
+    if isinstance(e, ServiceError):
+        return e
+    return ServiceError(str(e), field or ("sentences" if w.kind == "score" else "utterances"))
+
+
+def _failure(e: BaseException, w: Work, field: str | None = None) -> BaseException:
+    """What a job that raised `e` answers: the client's error (4xx), 503 when memory ran out (the
+    worker goes on), else the exception itself (a bug: 500, logged)."""
+    if isinstance(e, SmallstateError):
+        return _as_service_error(e, w, field)
+    if _out_of_memory(e):
+        log.warning("a request ran out of memory: %s", str(e).split("\n")[0][:200])
+        e.__traceback__ = None  # its frames hold what ran out of memory: let it go now
+        error = Unavailable("the server has not enough memory for this request now: retry later, or send it in "
+                            "smaller parts", retry_after=5)
+        error.__suppress_context__ = True
+        return error
+    return e
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation failure (host or device), which a retry later or a smaller request may not meet."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
