@@ -78,7 +78,7 @@ build() {
   if ! if [ "$builder" = buildkit ]; then
          DOCKER_BUILDKIT=1 docker build --progress=plain --build-arg BASE="$BASE" -t "$IMAGE" . ;
        else
-         DOCKER_BUILDKIT=0 docker build --build-arg BASE="$BASE" -t "$IMAGE" . ;
+         DOCKER_BUILDKIT=0 docker build --force-rm --build-arg BASE="$BASE" -t "$IMAGE" . ;
        fi >"$TMP/build.log" 2>&1; then
     tail -n 40 "$TMP/build.log" >&2
     fail "docker build failed (the end of its log is above)"
@@ -90,7 +90,7 @@ build() {
          /Using cache/{ c = 1 } END{ if (s && !c && s !~ / : (FROM|ARG BASE=)/) print s }' "$TMP/build.log" >"$TMP/ran"
     steps="$(grep -c '^Step [0-9]*/' "$TMP/build.log" || true)"
     BUILD_CACHE="$(wc -l <"$TMP/ran") of $steps steps ran, the others came from the cache"
-    sed 's/^/[smoke]   ran: /' "$TMP/ran" | cut -c1-110 >&2
+    [ "$(wc -l <"$TMP/ran")" -gt 8 ] || sed 's/^/[smoke]   ran: /' "$TMP/ran" | cut -c1-110 >&2
   else
     steps="$(grep -c '^#[0-9]* \[' "$TMP/build.log" || true)"; cached="$(grep -c '^#[0-9]* CACHED' "$TMP/build.log" || true)"
     BUILD_CACHE="$cached of $steps steps from the cache"
@@ -144,6 +144,9 @@ EOF
   [ "$code" = 200 ] || fail "/rescore (n-best) answered $code: $(head -c 400 "$TMP/out.json")"
   check "$TMP/out.json" "[h['rank'] for h in d['utterances'][0]['hypotheses']] == [0, 1] and all(finite(h['neural']) \
 and finite(h['ngram']) and finite(h['total']) for h in d['utterances'][0]['hypotheses'])" "/rescore (n-best)"
+  # the weights of SMALLSTATE_WEIGHTS (lattices/weights.json) are the defaults
+  check "$TMP/out.json" "d['weights']['am_scale'] == 0.10526 and d['weights']['word_penalty'] == -0.25" \
+    "/rescore (n-best): not the weights of SMALLSTATE_WEIGHTS"
   log "  best: $(python3 -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["utterances"][0]["best"]["words"]))' "$TMP/out.json")"
 }
 
