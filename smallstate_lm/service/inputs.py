@@ -16,7 +16,7 @@ from .errors import CostLimitError, LimitError, ServiceError
 from .model import Models
 from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
 from .settings import Settings
-from .work import LatticeItem, NbestItem, Work, make_work, nbest_item, request_weights
+from .work import LatticeItem, NbestItem, Work, make_work, nbest_item, prepared, request_weights
 
 
 def rescore_work(body: RescoreRequest, models: Models, s: Settings) -> Work:
@@ -193,6 +193,6 @@ def parse_lattice(lat: LatticeIn, where: str, name: str, max_arcs: int) -> Latti
             raise LimitError(f"the lattice has {parsed.num_arcs} arcs, more than {max_arcs} (max_lattice_arcs)",
                              data_field, max_arcs)
         parsed.name = name
-        return parsed.prepare()
+        return prepared(parsed)
     except LatticeFormatError as e:
         raise ServiceError(str(e), data_field) from None

@@ -1,8 +1,10 @@
 """The service's models: the neural LM and/or n-gram, loaded on the worker thread, the cost model
-calibrated on them, what `/v1/models` and `/metrics` say about them, and lattice rescorers."""
+calibrated on them, what `/v1/models` and `/metrics` say about them, and the lattice rescorer that
+serves every batch the server runs."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -21,6 +23,13 @@ from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("smallstate_lm.service")
+
+# The rescorer's tables (words, history keys, n-gram states and KenLM's answers) only grow: after its lattices
+# have brought this many arcs and expanded arcs, the server starts new ones, so that what a long-running server
+# keeps stays bounded (a few hundred bytes an entry: tens of MiB) and its distinct words stay far below the
+# rescorer's limit of 2**21 words.
+RESCORER_BUDGET = 200_000
+
 
 class Models:
     """The loaded models and what is derived from them once. `load()` runs on the worker thread;
@@ -42,6 +51,8 @@ class Models:
         # the time one step of the worker aims at: a new request waits for at most about one step
         self.step_s = settings.slice_ms / 1000
         self.info: dict = {}  # what /v1/models shows
+        self._rescorer: LatticeRescorer | None = None
+        self._rescorer_load = 0  # lattice arcs and expanded arcs its tables have seen
 
     def load(self) -> None:
         from smallstate_lm.checkpoint import load_model
@@ -79,11 +90,29 @@ class Models:
         """What decides whether a word is out of vocabulary (`oov_reference`)."""
         return oov_reference(self.neural.vocab if self.neural is not None else None, self.ngram)
 
-    def rescorer(self, weights: Weights) -> LatticeRescorer:
-        """A lattice rescorer for `weights`, its LM calls sized to about a step each."""
-        rescorer = build_rescorer(weights, self.loaded, self.ngram, self.expand_config, self.device)
-        rescorer.rows_per_call = lambda step: self.cost.rows_per_call(step + 2, self.step_s)
+    def rescorer(self, weights: Weights, arcs: int) -> LatticeRescorer:
+        """A lattice rescorer for `weights`, about to expand lattices of `arcs` arcs in all. Its history keys and
+        n-gram answers depend on the models and the expansion settings only, never on the weights, so every
+        batch shares one set of them (KenLM is asked about a (state, word) once, not once per batch); the
+        weights, read all along the expansion, are the copy's own, as batches of different weights take turns
+        on the worker."""
+        if self._rescorer is None or self._rescorer_load > RESCORER_BUDGET:
+            self._rescorer = build_rescorer(self.weights, self.loaded, self.ngram, self.expand_config, self.device)
+            self._rescorer.rows_per_call = lambda step: self.cost.rows_per_call(step + 2, self.step_s)
+            self._rescorer_load = 0
+        self._rescorer_load += arcs
+        rescorer = copy.copy(self._rescorer)  # shallow: the tables stay shared
+        rescorer.w = weights
         return rescorer
+
+    def expanded(self, arcs: int) -> None:
+        """The rescorer's expansions made `arcs` arcs (their steps fill its tables)."""
+        self._rescorer_load += arcs
+
+    def forget_rescorer(self) -> None:
+        """After an expansion failed part-way (out of memory, a bug): the next batch starts new tables rather
+        than trust ones that an entry may have been half added to."""
+        self._rescorer = None
 
     def _describe(self) -> None:
         from smallstate_lm.models import count_parameters

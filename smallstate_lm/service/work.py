@@ -44,7 +44,7 @@ class NbestItem:
 
 @dataclass
 class LatticeItem:
-    lattice: Lattice  # prepared; its name is the utterance id
+    lattice: Lattice  # prepared (see `prepared`); its name is the utterance id
     n: int  # distinct word sequences to return
     hyps: list[dict] | None = None  # ExpandedLattice.nbest
     lm_steps: int = 0
@@ -75,6 +75,21 @@ class Work:
     @property
     def cost(self) -> int:
         return self.tokens_computed + self.lattice_arcs
+
+
+class PreparedLattice(Lattice):
+    """A lattice prepared when its request came in, where its limits and cost estimate need the prepared
+    form: the expansion prepares every lattice it is given, and this one answers that it already is,
+    instead of sorting, trimming and copying its arrays a second time."""
+
+    def prepare(self) -> Lattice:
+        return self
+
+
+def prepared(lat: Lattice) -> PreparedLattice:
+    """`lat.prepare()` (which may warn or raise LatticeFormatError), done once for the lattice's whole way."""
+    p = lat.prepare()
+    return PreparedLattice(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
 
 
 def request_weights(models: Models, overrides: dict[str, Any]) -> Weights:
@@ -201,6 +216,6 @@ def warmup_work(models: Models) -> list[Work]:
                          ["sentences[0]"], models.weights)
     fst = f"0 1 {words[0]} {words[0]} 1.0,1.0\n1 2 {words[1]} {words[1]} 1.0,1.0\n2 0.0,0.0\n"
     lat = read_fst_text(fst, SymbolTable.from_words(list(words[:2])), name="warmup")
-    lattice = make_work(models, "rescore", [LatticeItem(lat.prepare(), models.s.lattice_nbest)], ["utterances[0]"],
+    lattice = make_work(models, "rescore", [LatticeItem(prepared(lat), models.s.lattice_nbest)], ["utterances[0]"],
                         models.weights)
     return [sentence, lattice]

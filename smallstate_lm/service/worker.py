@@ -265,6 +265,7 @@ class _LatticeGroup:
         try:
             yield from self._run(list(range(len(self.members))))
         except Exception as e:
+            self.worker.models.forget_rescorer()
             rest = [i for i in range(len(self.members)) if i not in self.accounted]
             if len(rest) == 1:
                 self._failed(rest[0], e)
@@ -278,7 +279,8 @@ class _LatticeGroup:
                 try:
                     yield from self._run([i])
                 except Exception as e:
-                            self._failed(i, e)
+                    self.worker.models.forget_rescorer()
+                    self._failed(i, e)
         bound = sum(it.seconds for i, (_, _, it) in enumerate(self.members) if i in self.accounted)
         if bound > 0 and self.spent > 0:  # learn what share of the bound this server's lattices take
             ratio = self.worker.lattice_ratio
@@ -289,7 +291,7 @@ class _LatticeGroup:
 
     def _run(self, indices: list[int]) -> Iterator[None]:
         lattices = [self.members[i][2].lattice for i in indices]
-        rescorer = self.worker.models.rescorer(self.members[0][0].payload.weights)
+        rescorer = self.worker.models.rescorer(self.members[0][0].payload.weights, sum(x.num_arcs for x in lattices))
         t = time.perf_counter()
         for out in rescorer.expand_many(lattices, on_error=lambda k, e: self._failed(indices[k], e),
                                         should_stop=lambda k: self._stop(indices[k]), pause=True):
@@ -310,6 +312,7 @@ class _LatticeGroup:
         job, _, it = self.members[i]
         it.hyps = exp.nbest(job.payload.weights, it.n)
         it.lm_steps = exp.stats.lm_rows
+        self.worker.models.expanded(exp.stats.expanded_arcs)
         self.accounted.add(i)
         self.finished(job)
 

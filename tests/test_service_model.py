@@ -1,0 +1,87 @@
+"""The service's lattice rescorer and lattice preparation, without HTTP (service/model.py, service/work.py):
+the rescorer's tables outlive a batch without changing an answer under any weights, and a request's lattice is
+prepared once on its way through the expansion."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TEST_DATA
+
+from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
+from smallstate_lm.rescoring.lattice_expand import build_rescorer
+from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
+from smallstate_lm.scoring import Weights
+from smallstate_lm.service.inputs import parse_lattice
+from smallstate_lm.service.model import Models
+from smallstate_lm.service.schemas import LatticeIn
+from smallstate_lm.service.settings import Settings
+from smallstate_lm.service.work import prepared
+
+LAT_DIR = TEST_DATA / "lattices"
+WEIGHTS = {"default": Weights(), "other": Weights(lm_weight=0.3, ngram_weight=1.2, word_penalty=0.7)}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_lm_dir, kenlm_model) -> Models:
+    m = Models(Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), device="cpu", threads=1))
+    m.load()
+    return m
+
+
+def _lattices() -> list[Lattice]:
+    symbols = SymbolTable.read(LAT_DIR / "words.txt")
+    return [prepared(read_fst(p, symbols)) for p in sorted(LAT_DIR.glob("*.lat.fst"))[:3]]
+
+
+class _CountingKenLM:
+    """KenLM's model, counting the questions the rescorer asks it."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def BaseScore(self, *args):
+        self.calls += 1
+        return self.model.BaseScore(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_batches_under_other_weights_share_the_tables_and_get_a_fresh_rescorers_answers(models, monkeypatch):
+    lats = _lattices()
+    arcs = sum(lat.num_arcs for lat in lats)
+    kenlm = _CountingKenLM(models.ngram.model)
+    monkeypatch.setattr(models.ngram, "model", kenlm)
+    fresh, asked = {}, {}
+    for name, w in WEIGHTS.items():  # a rescorer per batch, as the service had
+        r = build_rescorer(w, models.loaded, models.ngram, models.expand_config, models.device)
+        before = kenlm.calls
+        fresh[name] = {i: exp.nbest(w, 5) for i, exp in r.expand_many(lats)}
+        asked[name] = kenlm.calls - before
+    models.forget_rescorer()
+    first = models.rescorer(Weights(), arcs)
+    assert {i: exp.nbest(Weights(), 5) for i, exp in first.expand_many(lats)} == fresh["default"]
+    before = kenlm.calls
+    # then two batches of different weights taking turns on the worker, step by step
+    runs = {name: models.rescorer(WEIGHTS[name], arcs).expand_many(lats, pause=True) for name in ("other", "default")}
+    got: dict = {name: {} for name in runs}
+    while runs:
+        for name, steps in list(runs.items()):
+            out = next(steps, StopIteration)
+            if out is StopIteration:
+                del runs[name]
+            elif out is not None:
+                got[name][out[0]] = out[1].nbest(WEIGHTS[name], 5)
+    assert got == fresh
+    # the default weights' answers were all known; the other weights' pruning reaches a few pairs more
+    assert kenlm.calls - before < asked["other"] / 4, (kenlm.calls - before, asked)
+
+def test_a_request_lattice_is_prepared_once(models, monkeypatch):
+    lat = read_fst(LAT_DIR / "slt-dev0004.lat.fst", SymbolTable.read(LAT_DIR / "words.txt"))
+    words = dict(line.split() for line in (LAT_DIR / "words.txt").read_text().splitlines() if line.strip())
+    body = LatticeIn(format="openfst-text", data=lattice_to_text(lat), words={w: int(i) for w, i in words.items()})
+    prepare, names = Lattice.prepare, []
+    monkeypatch.setattr(Lattice, "prepare", lambda self: names.append(self.name) or prepare(self))
+    parsed = parse_lattice(body, "utterances[0].lattice", "u0", 100_000)
+    [(_, exp)] = list(models.rescorer(Weights(), parsed.num_arcs).expand_many([parsed]))
+    assert exp.nbest(Weights(), 1) and names == ["u0"]
