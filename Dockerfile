@@ -83,10 +83,14 @@ COPY --from=build /kenlm/ /
 COPY docker/requirements.txt /tmp/requirements.txt
 RUN python3 -m pip install -q -r /tmp/requirements.txt && rm /tmp/requirements.txt
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin smallstate
+# Drain (1 s) + graceful timeout (7 s) end within the 10 s `docker stop` waits by default: a request still running
+# then gets 503 and the process exits 0 instead of being killed. With `docker run --stop-timeout N` (Kubernetes:
+# terminationGracePeriodSeconds) raise SMALLSTATE_GRACEFUL_TIMEOUT_S to about N - 3.
 ENV PYTHONUNBUFFERED=1 \
     SMALLSTATE_HOST=0.0.0.0 \
     SMALLSTATE_PORT=8000 \
-    SMALLSTATE_LM=/models/lm
+    SMALLSTATE_LM=/models/lm \
+    SMALLSTATE_GRACEFUL_TIMEOUT_S=7
 VOLUME ["/models"]
 EXPOSE 8000
 # /healthz says the process is up; orchestrators should route on /readyz (503 while loading or draining).
