@@ -315,19 +315,26 @@ def _lattice_rescorer(lm, ngram, w, device, cfg):
 
 
 def _symbols(words: Optional[Path], lattices):
+    """The decoder's symbol table (--words), or None where no lattice input needs one; `lattices` are resolved
+    (`_resolve`), so no file is looked at again."""
     from .rescoring.lattice import SymbolTable
-    from .rescoring.lattice_io import lattice_format
 
     if words is not None:
         return SymbolTable.read(words)
-    from .rescoring.lattice_files import is_kaldi_spec
-
-    for p in lattices:
-        fmt = None if is_kaldi_spec(p) else lattice_format(p)
-        if is_kaldi_spec(p) or (fmt is not None and fmt.needs_symbols):
-            what = fmt.description if fmt is not None else "Kaldi"
-            raise ConfigError(f"{p}: {what} lattices need the decoder's symbol table: --words words.txt")
+    for source in lattices:
+        fmt = source.format
+        if fmt is not None and fmt.needs_symbols:
+            raise ConfigError(f"{source}: {fmt.description} lattices need the decoder's symbol table: --words "
+                              "words.txt")
     return None
+
+
+def _resolve(inputs: list[Path]) -> list:
+    """Each input's format, decided once (`lattice_formats.resolve_input`: by rspecifier, name or first bytes);
+    every later step asks the resolved input. Format None: not a lattice input (an n-best list, a missing file)."""
+    from .rescoring.lattice_formats import resolve_input
+
+    return [resolve_input(p) for p in inputs]
 
 
 def _weights(path: Optional[Path], overrides: list[str], direct: dict | None = None):
@@ -416,7 +423,8 @@ def rescore(
     check_output_dir(out, ConfigError)
     # a directory or a missing file has no kind: among lattices it is reported and skipped like any unreadable
     # lattice (a missing lat.2.gz beside lat.1.gz is a lattice input that is not there, not an n-best list)
-    kinds = {_is_lattice(p) for p in inputs if p.is_file() or _is_lattice(p)}
+    sources = _resolve(inputs)
+    kinds = {s.format is not None for p, s in zip(inputs, sources) if p.is_file() or s.format is not None}
     if len(kinds) > 1:
         raise ConfigError("give either n-best files or lattice files, not both")
     direct = {"lm_weight": lm_weight, "ngram_weight": ngram_weight, "word_penalty": word_penalty,
@@ -429,7 +437,7 @@ def rescore(
                        err=True)
         from .rescoring.lattice_files import CtmOptions
 
-        _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam,
+        _rescore_lattices(sources, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam,
                           max_per_state, max_states, nbest, quiet, ray, ray_actors,
                           CtmOptions(frame_shift, subsampling_factor) if ctm else None, archive_text, jobs)
         return
@@ -461,18 +469,10 @@ def _rescore_nbest(inputs, opts, lm, ngram, w, ref, out, device, batch_tokens, s
     typer.echo(summary)
 
 
-def _is_lattice(p: Path) -> bool:
-    """A lattice input: a lattice file (by name or content), a Kaldi archive, or an rspecifier (`scp:lat.scp`)."""
-    from .rescoring.lattice_files import is_kaldi_spec
-    from .rescoring.lattice_io import lattice_format
-
-    return is_kaldi_spec(p) or lattice_format(p) is not None
-
-
 def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_ngram_order, beam, max_per_state,
                       max_states, nbest, quiet, ray=None, ray_actors=None, ctm=None, archive_text=False, jobs=1):
     from .rescoring.lattice_expand import ExpandConfig
-    from .rescoring.lattice_files import rescore_lattice_files
+    from .rescoring.lattice_files import RunOptions, rescore_lattice_files
 
     symbols = _symbols(words, inputs)
     cfg = ExpandConfig(max_ngram_order=None if exact else max_ngram_order, beam=beam, max_per_state=max_per_state,
@@ -496,18 +496,18 @@ def _rescore_lattices(inputs, words, lm, ngram, w, ref, out, device, exact, max_
         summary = rescore_lattice_files_pool(inputs, job, jobs, out, ref, not quiet, on_error, ctm, archive_text,
                                              symbols)
     elif ray is not None:
-        from .rescoring.lattice_files import is_archive_input
         from .rescoring.ray_runner import rescore_lattice_files_ray
 
-        if ctm is not None or any(is_archive_input(p) for p in inputs):
+        if ctm is not None or any(s.many for s in inputs):
             raise ConfigError("--ray rescores single lattice files (.fst, SLF) without --ctm; rescore Kaldi "
                               "archives and write CTMs without --ray")
         summary = rescore_lattice_files_ray(inputs, job, out, ref, ray, device, ray_actors, progress=not quiet,
                                             on_error=on_error)
     else:
         rescorer = _lattice_rescorer(lm, ngram, w, device, cfg)
-        summary = rescore_lattice_files(inputs, symbols, rescorer, out, ref, nbest, progress=not quiet,
-                                        on_error=on_error, ctm=ctm, archive_text=archive_text)
+        summary = rescore_lattice_files(inputs, symbols, rescorer, out, ref,
+                                        RunOptions(nbest, ctm=ctm, archive_text=archive_text), progress=not quiet,
+                                        on_error=on_error)
     typer.echo(summary.line())
     if errors and not summary.lattices:
         typer.echo(f"error: none of the {len(errors)} lattice files could be rescored; nothing written to {out}",
@@ -566,9 +566,8 @@ def tune(
     grid = {k: DEFAULT_GRID.get(k, LAM_GRID if k == "lam" else [round(x * 0.1, 3) for x in range(0, 21)])
             for k in keys}
     inputs = list(inputs or [])
-    lattices = [p for p in inputs if _is_lattice(p) or (not p.exists() and any(_is_lattice(q) for q in inputs))] \
-        if nbest_format == "auto" else []
-    nbest = list(nbest) + [p for p in inputs if p not in lattices]
+    lattices, others = _split_lattices(inputs) if nbest_format == "auto" else ([], inputs)
+    nbest = list(nbest) + others
     if bool(nbest) == bool(lattices):
         raise ConfigError("give dev n-best lists or dev lattices to tune on, one of the two")
     if lattices:
@@ -597,13 +596,22 @@ def tune(
         typer.echo(f"plot -> {plot}" if plot_surface(r, str(plot)) else "no plot: matplotlib is not installed")
 
 
+def _split_lattices(inputs: list[Path]) -> tuple[list, list[Path]]:
+    """(the lattice inputs, resolved; the other inputs). A missing file among lattices is a lattice that is not
+    there (reported as such), not an n-best list."""
+    sources = _resolve(inputs)
+    some = any(s.format is not None for s in sources)
+    picked = [s.format is not None or (some and not p.exists()) for p, s in zip(inputs, sources)]
+    return [s for s, yes in zip(sources, picked) if yes], [p for p, yes in zip(inputs, picked) if not yes]
+
+
 def _tune_lattices(lattices, words, refs, lm, ngram, base, grid, out, device, exact, max_ngram_order, quiet):
     import dataclasses
 
     from tqdm import tqdm
 
     from .rescoring.lattice_expand import ExpandConfig
-    from .rescoring.lattice_files import lattice_inputs
+    from .rescoring.lattice_io import lattice_inputs
     from .rescoring.nbest_io import read_text
     from .rescoring.tune import surface_text, tune_lattices
 

@@ -5,28 +5,21 @@ import gzip
 import importlib.util
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
 from conftest import REPO, TEST_DATA
 
-from smallstate_lm.rescoring.kaldi_archive import (
-    KaldiArchiveWriter,
-    iter_kaldi_lattices,
-    kaldi_lattice_bytes,
-    kaldi_lattice_text,
+from smallstate_lm.rescoring.kaldi_write import KaldiArchiveWriter, kaldi_lattice_bytes, kaldi_lattice_text
+from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, Ragged, SymbolTable
+from smallstate_lm.rescoring.lattice_formats import (
+    lattice_format,
     looks_like_kaldi_archive,
     parse_rspecifier,
-)
-from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, Ragged, SymbolTable
-from smallstate_lm.rescoring.lattice_io import (
-    iter_lattice_file,
-    lattice_format,
-    read_fst,
-    read_lattice,
-    read_slf,
     utterance_id,
 )
+from smallstate_lm.rescoring.lattice_io import lattice_inputs, read_fst, read_lattice, read_slf
 
 KALDI = TEST_DATA / "kaldi"
 BUNDLED = REPO / "lattices"
@@ -43,8 +36,14 @@ def words() -> SymbolTable:
     return SymbolTable.read(BUNDLED / "words.txt")
 
 
-def read_all(spec, symbols) -> list[tuple[str, Lattice, str]]:
-    return list(iter_kaldi_lattices(spec, symbols))
+def iter_all(spec, symbols) -> Iterator[tuple[str, Lattice, str | None]]:
+    """(name, lattice, kind) of each lattice of an input, read as `rescore` reads it (`lattice_inputs`), lazily."""
+    for item in lattice_inputs([spec], symbols):
+        yield item.name, item.load(), item.kind
+
+
+def read_all(spec, symbols) -> list[tuple[str, Lattice, str | None]]:
+    return list(iter_all(spec, symbols))
 
 
 def summary(lat: Lattice) -> tuple:
@@ -276,7 +275,7 @@ def test_gzip_archive_is_streamed(words, big_gz, tmp_path):
     cut.write_bytes(data[: len(data) // 2])
     garbled.write_bytes(data[: len(data) // 2] + bytes(range(256)) * 16 + data[len(data) // 2 + 4096:])
     for p in (cut, garbled):
-        it = iter_kaldi_lattices(p, words)
+        it = iter_all(p, words)
         first = next(it)
         assert first[0] == "utt000" and first[1].num_arcs == 400
         with pytest.raises(LatticeFormatError) as e:
@@ -289,7 +288,7 @@ def test_gzip_archive_is_streamed(words, big_gz, tmp_path):
 
 
 def test_gzip_archive_reads_whole(words, big_gz):
-    keys = [k for k, _, _ in iter_kaldi_lattices(f"ark:gunzip -c {big_gz}|", words)]
+    keys = [k for k, _, _ in iter_all(f"ark:gunzip -c {big_gz}|", words)]
     assert keys == [f"utt{i:03d}" for i in range(300)]
 
 
@@ -341,7 +340,7 @@ def test_corrupt_archive_says_what_was_expected(abc, tmp_path):
     gz = bytearray((KALDI / "lat.1.gz").read_bytes())
     gz[20:40] = bytes(20)
     with pytest.raises(LatticeFormatError, match=r"badgz.1.gz: corrupt gzip data after byte 0 of the gunzipped "):
-        read_all(damaged(tmp_path, "badgz.1.gz", bytes(gz)), abc)
+        read_all(f"ark:{damaged(tmp_path, 'badgz.1.gz', bytes(gz))}", abc)  # its content no longer says so
     with pytest.raises(LatticeFormatError, match=r"compact.ark: lattice 'utt1': state 0: label 2 is not in the symbol "
                                                  r"table \(2 symbols\)"):
         read_all(KALDI / "compact.ark", SymbolTable.from_words(["a"]))
@@ -373,14 +372,14 @@ def test_content_decides_where_the_name_does_not(abc, words, tmp_path):
     lat = read_lattice(slf, None)
     assert lat.name == "dev0004" and np.array_equal(lat.graph, read_slf(BUNDLED / "slt-dev0004.lm.slf.gz").graph)
     assert read_lattice(fst, words).name == "utt9"
-    assert [(n, summary(lat)) for n, lat in iter_lattice_file(ark, abc)] == [(k, v) for k, v in COMPACT.items()]
-    assert [n for n, _ in iter_lattice_file(KALDI / "compact.scp", abc)] == list(COMPACT)
-    assert [n for n, _ in iter_lattice_file(BUNDLED / "slt-dev0004.lat.fst", words)] == ["slt-dev0004"]
+    assert [(n, summary(lat)) for n, lat, _ in iter_all(ark, abc)] == [(k, v) for k, v in COMPACT.items()]
+    assert [n for n, _, _ in iter_all(KALDI / "compact.scp", abc)] == list(COMPACT)
+    assert [n for n, _, _ in iter_all(BUNDLED / "slt-dev0004.lat.fst", words)] == ["slt-dev0004"]
     script = tmp_path / "lats.list"  # a script whose name does not say so
     script.write_text("".join(f"{k} {KALDI / 'compact.ark'}:{o}\n" for k, o in (("utt2", 296), ("utt1", 5))))
     assert lattice_format(script).name == "kaldi-script"
-    assert [n for n, _ in iter_lattice_file(script, abc)] == ["utt2", "utt1"]
-    assert [k for k, _, _ in iter_kaldi_lattices(str(script), abc)] == ["utt2", "utt1"]
+    assert [n for n, _, _ in iter_all(script, abc)] == ["utt2", "utt1"]
+    assert [k for k, _, _ in iter_all(str(script), abc)] == ["utt2", "utt1"]
 
 
 def test_read_lattice_on_archives(abc, tmp_path):

@@ -1,18 +1,25 @@
 """Kaldi lattice archives through the CLI: read -> rescore -> write back as an archive of the same kind,
 CTM from transition-ids, the same 1-best as the single .fst files, bad archives reported and skipped."""
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import run_cli
 
-from smallstate_lm.rescoring.kaldi_archive import KaldiArchiveWriter, iter_kaldi_lattices
+from smallstate_lm.rescoring.kaldi_write import KaldiArchiveWriter
 from smallstate_lm.rescoring.lattice import Ragged, SymbolTable
-from smallstate_lm.rescoring.lattice_io import read_fst
+from smallstate_lm.rescoring.lattice_io import lattice_inputs, read_fst
 
 LATTICES = Path(__file__).resolve().parents[1] / "lattices"
 WORDS = LATTICES / "words.txt"
+
+
+def iter_kaldi_lattices(spec, symbols):
+    """(key, lattice, kind) of each entry of a Kaldi archive or script, read as `rescore` reads it."""
+    for item in lattice_inputs([spec], symbols):
+        yield item.name, item.load(), item.kind
 
 
 def _with_tids(lat, rng, per_arc, final_tids=2):
@@ -91,6 +98,21 @@ def test_archive_rescoring_writes_archives_back_and_equals_fst_files(tmp_path, a
         assert starts == sorted(starts) and all(dur > 0 for _, dur, _ in words)
         for (s, dur, _), (s2, _, _) in zip(words, words[1:]):
             assert s + dur <= s2 + 1e-6
+
+
+def test_a_script_under_another_name_is_read_as_a_script(tmp_path, archives, kenlm_model):
+    """A Kaldi script named `lat.list` (not .scp) is told by its lines and rescored as `scp:lat.2.scp` is (it was
+    once read as an archive, and failed)."""
+    d, _ = archives
+    listed = tmp_path / "lat.list"
+    shutil.copy(d / "lat.2.scp", listed)
+    for name, spec in (("scp", f"scp:{d / 'lat.2.scp'}"), ("list", listed)):
+        proc = _rescore(kenlm_model, tmp_path / name, spec, extra=("--nbest", "0"))
+        assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "list" / "best.txt").read_text() == (tmp_path / "scp" / "best.txt").read_text()
+    assert len((tmp_path / "list" / "best.txt").read_text().splitlines()) == len(listed.read_text().splitlines())
+    written = (tmp_path / "list" / "lattices" / "lat.list").read_bytes()
+    assert written == (tmp_path / "scp" / "lattices" / "lat.2.ark").read_bytes()
 
 
 def test_text_archive_output_and_a_corrupt_archive_among_good_ones(tmp_path, archives, kenlm_model):

@@ -2,17 +2,8 @@
 
 Arc types: Kaldi `lattice4` (weight = float32 graph cost, float32 acoustic cost) and `standard` (one
 float32 tropical cost, read as graph cost with acoustic 0). FST types: `vector` (read and write) and
-`const` (read). Costs are float32 in the file and come back exactly (as float64).
-
-The layout (OpenFST's fst.h, vector-fst.h, const-fst.h; everything little-endian):
-- header: int32 magic, fst type and arc type as (int32 length, bytes), int32 version, int32 flags,
-  uint64 properties, int64 start, int64 number of states, int64 number of arcs;
-- the input and output symbol tables when flags say so: int32 magic, name, int64 available key,
-  int64 size, then (symbol, int64 key) pairs;
-- `vector`: per state its final weight, int64 arc count, then the arcs `int32 ilabel, int32 olabel,
-  weight, int32 nextstate`; a state that is not final has weight Zero (+inf in every component);
-- `const`: a table of states (final weight, uint32 first arc, arc count, input and output epsilon
-  counts), then one table of all arcs; both start on a 16-byte boundary in aligned files.
+`const` (read). Costs are float32 in the file and come back exactly (as float64). The layout is
+fst_layout.py's.
 
 Errors name the source, what was expected and the byte offset where the file stops making sense.
 
@@ -27,26 +18,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .fst_layout import (
+    ALIGN,
+    FST_MAGIC,
+    HAS_ISYMBOLS,
+    HAS_OSYMBOLS,
+    IS_ALIGNED,
+    MAX_NAME,
+    MAX_STATES,
+    SYMBOLS_MAGIC,
+    Props,
+    arc_dtype,
+    const_state_dtype,
+    vector_header,
+)
 from .lattice import Lattice, LatticeFormatError, SymbolTable
 from .native import library
 
-FST_MAGIC = 2125659606
-_SYMBOLS_MAGIC = 2125658996
-_HAS_ISYMBOLS, _HAS_OSYMBOLS, _IS_ALIGNED = 0x1, 0x2, 0x4
 _COSTS = {"lattice4": 2, "standard": 1}  # float32 costs per weight
-_MAX_STATES = 2**31 - 1  # state ids and labels are int32 in both arc types
-_MAX_NAME = 256  # fst and arc type names are short; a longer one means a garbled length
-_ALIGN = 16  # const FSTs align their tables to this in aligned files
 _INT64 = struct.Struct("<q")
-
-
-def _arc_dtype(k: int) -> np.dtype:
-    return np.dtype([("ilabel", "<i4"), ("olabel", "<i4"), ("weight", "<f4", (k,)), ("nextstate", "<i4")])
-
-
-def _const_state_dtype(k: int) -> np.dtype:
-    return np.dtype([("final", "<f4", (k,)), ("pos", "<u4"), ("narcs", "<u4"), ("niepsilons", "<u4"),
-                     ("noepsilons", "<u4")])
 
 
 @dataclass
@@ -92,7 +82,7 @@ class _Bytes:
         self.pos += size
         return out
 
-    def string(self, what: str, part: str = "the OpenFST header", limit: int = _MAX_NAME) -> str:
+    def string(self, what: str, part: str = "the OpenFST header", limit: int = MAX_NAME) -> str:
         at = self.pos
         (n,) = self.take("<i", f"the length of the {what}", part)
         if not 0 <= n <= limit:
@@ -125,18 +115,18 @@ def read_fst_header(data: bytes, source: str) -> FstHeader:
                       f"{'2' if fst_type == 'vector' else '1 or 2'})")
     counted = -1 if fst_type == "vector" else 0  # a vector FST written to a pipe does not count its states
     at = b.pos - 16
-    if not counted <= num_states <= _MAX_STATES:
-        raise b.error(f"corrupt OpenFST header: {num_states} states at byte {at}; expected 0 to {_MAX_STATES}")
+    if not counted <= num_states <= MAX_STATES:
+        raise b.error(f"corrupt OpenFST header: {num_states} states at byte {at}; expected 0 to {MAX_STATES}")
     if not 0 <= num_arcs < 2**62:
         raise b.error(f"corrupt OpenFST header: {num_arcs} arcs at byte {at + 8}; expected a count >= 0")
     if num_states >= 0 and not (start == -1 or 0 <= start < num_states):
         raise b.error(f"corrupt OpenFST header: start state {start} at byte {at - 8} is outside the "
                       f"{num_states} states")
-    if flags & _HAS_ISYMBOLS:
+    if flags & HAS_ISYMBOLS:
         _symbol_table(b, "input")
-    osyms = _symbol_table(b, "output") if flags & _HAS_OSYMBOLS else None
+    osyms = _symbol_table(b, "output") if flags & HAS_OSYMBOLS else None
     if version == 1:  # const FST version 1 is always aligned
-        flags |= _IS_ALIGNED
+        flags |= IS_ALIGNED
     return FstHeader(fst_type, arc_type, version, flags, props, start, num_states, num_arcs, b.pos, osyms)
 
 
@@ -145,8 +135,8 @@ def _symbol_table(b: _Bytes, which: str) -> dict[int, str]:
     part = f"the {which} symbol table"
     at = b.pos
     (magic,) = b.take("<i", "its magic number", part)
-    if magic != _SYMBOLS_MAGIC:
-        raise b.error(f"corrupt {which} symbol table: bad magic number at byte {at}; expected {_SYMBOLS_MAGIC}")
+    if magic != SYMBOLS_MAGIC:
+        raise b.error(f"corrupt {which} symbol table: bad magic number at byte {at}; expected {SYMBOLS_MAGIC}")
     b.string("table name", part, limit=1 << 20)
     _available, size = b.take("<qq", "its available key and size", part)
     if not 0 <= size <= len(b.data):
@@ -224,7 +214,7 @@ def _read_vector(b: _Bytes, h: FstHeader) -> RawFst:
     state = np.repeat(np.arange(n.size, dtype=np.int64), n)  # (A,)
     within = np.arange(state.size) - (np.cumsum(n) - n)[state]  # (A,) index of each arc within its state
     at = np.asarray(starts, dtype=np.int64)[state] + 4 * k + 8 + within * (4 * k + 12)  # (A,)
-    arcs = _gather(b.data, at, _arc_dtype(k))
+    arcs = _gather(b.data, at, arc_dtype(k))
     num_states = len(starts) if h.num_states < 0 else h.num_states
     # a bad arc before the sizes go wrong means garbled data, whatever the sizes say after it
     bad = _first_bad_arc(arcs, state, within, at, num_states)
@@ -246,7 +236,7 @@ def _read_vector_whole(lib, b: _Bytes, h: FstHeader, k: int) -> RawFst | None:
     if int(end[0]) != n or (h.num_states >= 0 and s != h.num_states):
         return None
     counts = counts[:s]
-    dtype = _arc_dtype(k)
+    dtype = arc_dtype(k)
     arcs = arcs[: int(counts.sum()) * dtype.itemsize].view(dtype)
     dest = arcs["nextstate"]
     if ((arcs["ilabel"] < 0) | (arcs["olabel"] < 0) | (dest < 0) | (dest >= s)).any():
@@ -258,9 +248,9 @@ def _read_vector_whole(lib, b: _Bytes, h: FstHeader, k: int) -> RawFst | None:
 def _read_const(b: _Bytes, h: FstHeader) -> RawFst:
     k = _COSTS[h.arc_type]
     tables, offsets = [], []
-    for dtype, count, what in ((_const_state_dtype(k), h.num_states, "states"), (_arc_dtype(k), h.num_arcs, "arcs")):
-        if h.flags & _IS_ALIGNED:
-            b.pos += -b.pos % _ALIGN
+    for dtype, count, what in ((const_state_dtype(k), h.num_states, "states"), (arc_dtype(k), h.num_arcs, "arcs")):
+        if h.flags & IS_ALIGNED:
+            b.pos += -b.pos % ALIGN
         if b.pos + count * dtype.itemsize > len(b.data):
             raise b.error(f"file ends inside the table of {what} after {len(b.data)} bytes (truncated); "
                           f"expected {count} records of {dtype.itemsize} bytes from byte {b.pos}")
@@ -303,7 +293,7 @@ def _first_bad_arc(arcs: np.ndarray, state: np.ndarray, within: np.ndarray, at: 
 
 
 def read_fst_raw(data: bytes, source: str) -> RawFst:
-    """Parse a binary OpenFST file (see the module docstring) without interpreting labels or weights."""
+    """Parse a binary OpenFST file (the layout of fst_layout.py) without interpreting labels or weights."""
     h = read_fst_header(data, source)
     b = _Bytes(data, source)
     b.pos = h.end
@@ -329,11 +319,11 @@ def read_fst_bytes(data: bytes, symbols: SymbolTable, source: str = "<bytes>", n
     if start != 0:
         order = np.argsort(state != start, kind="stable")  # (A,) the start state's arcs first
         state, arcs = state[order], arcs[order]
-    word = _word_ids(fst.header.output_symbols, arcs["olabel"], state, symbols, source)
-    with np.errstate(invalid="ignore"):  # a garbled weight may be a signalling NaN: _check_costs names it
+    word = word_ids(fst.header.output_symbols, arcs["olabel"], state, symbols, source)
+    with np.errstate(invalid="ignore"):  # a garbled weight may be a signalling NaN: check_costs names it
         cost = arcs["weight"].astype(np.float64)  # (A, k)
         final = fst.final.astype(np.float64)  # (S, k)
-    _check_costs(cost, final, state, arcs["nextstate"], start, source)
+    check_costs(cost, final, state, arcs["nextstate"], start, source)
     if not cost.shape[0] and np.all(final == np.inf):
         raise LatticeFormatError(f"{source}: empty lattice (no arcs and no final states)")
     if final.shape[1] == 1:  # tropical: the one cost is the graph cost
@@ -349,7 +339,7 @@ def read_fst_bytes(data: bytes, symbols: SymbolTable, source: str = "<bytes>", n
     )
 
 
-def _word_ids(osyms: dict[int, str] | None, olabel: np.ndarray, state: np.ndarray, symbols: SymbolTable,
+def word_ids(osyms: dict[int, str] | None, olabel: np.ndarray, state: np.ndarray, symbols: SymbolTable,
               source: str) -> np.ndarray:
     """(A,) int64 ids in `symbols` of the output labels; a label unknown to `symbols` raises, naming the
     first such arc's state."""
@@ -372,7 +362,7 @@ def _word_ids(osyms: dict[int, str] | None, olabel: np.ndarray, state: np.ndarra
     return ids[inverse].astype(np.int64)
 
 
-def _check_costs(cost: np.ndarray, final: np.ndarray, state: np.ndarray, dst: np.ndarray, start: int,
+def check_costs(cost: np.ndarray, final: np.ndarray, state: np.ndarray, dst: np.ndarray, start: int,
                  source: str) -> None:
     """Arc costs must be finite, and no final cost NaN or -inf (+inf in a component means not final)."""
     def shown(w: np.ndarray) -> str:
@@ -393,19 +383,10 @@ def _check_costs(cost: np.ndarray, final: np.ndarray, state: np.ndarray, dst: np
 # ----------------------------------------------------------------------------------------------------------
 # Writing
 
-# OpenFST property bits (fst/properties.h) that a VectorFst built with AddState/SetStart/AddArc/SetFinal carries
-_EXPANDED, _MUTABLE = 0x1, 0x2
-_ACCEPTOR, _I_DETERMINISTIC, _O_DETERMINISTIC = 0x10000, 0x40000, 0x100000
-_EPSILONS, _NO_EPSILONS, _I_EPSILONS, _NO_I_EPSILONS = 0x400000, 0x800000, 0x1000000, 0x2000000
-_O_EPSILONS, _NO_O_EPSILONS = 0x4000000, 0x8000000
-_I_SORTED, _NOT_I_SORTED, _O_SORTED, _NOT_O_SORTED = 0x10000000, 0x20000000, 0x40000000, 0x80000000
-_WEIGHTED, _UNWEIGHTED = 0x100000000, 0x200000000
-_ACYCLIC, _INITIAL_ACYCLIC, _TOP_SORTED, _NOT_TOP_SORTED = 0x800000000, 0x2000000000, 0x4000000000, 0x8000000000
-_UNWEIGHTED_CYCLES = 0x800000000000
 # what an FST with states and a start but no arcs or finals knows about itself (kaldifst writes 0x806a5a950003)
-_NEW_FST = (_EXPANDED | _MUTABLE | _ACCEPTOR | _I_DETERMINISTIC | _O_DETERMINISTIC | _NO_EPSILONS | _NO_I_EPSILONS
-            | _NO_O_EPSILONS | _I_SORTED | _O_SORTED | _UNWEIGHTED | _ACYCLIC | _INITIAL_ACYCLIC | _TOP_SORTED
-            | _UNWEIGHTED_CYCLES)
+_NEW_FST = (Props.EXPANDED | Props.MUTABLE | Props.ACCEPTOR | Props.I_DETERMINISTIC | Props.O_DETERMINISTIC
+            | Props.NO_EPSILONS | Props.NO_I_EPSILONS | Props.NO_O_EPSILONS | Props.I_SORTED | Props.O_SORTED
+            | Props.UNWEIGHTED | Props.ACYCLIC | Props.INITIAL_ACYCLIC | Props.TOP_SORTED | Props.UNWEIGHTED_CYCLES)
 
 
 def _set(props: int, yes: int, no: int) -> int:
@@ -425,25 +406,22 @@ def built_properties(src: np.ndarray, dst: np.ndarray, word: np.ndarray, cost: n
     """
     props = _NEW_FST
     if src.size:  # an arc forgets determinism and unweighted cycles; acyclicity it derives from top-sortedness
-        props &= ~(_I_DETERMINISTIC | _O_DETERMINISTIC | _UNWEIGHTED_CYCLES | _ACYCLIC | _INITIAL_ACYCLIC)
+        props &= ~(Props.I_DETERMINISTIC | Props.O_DETERMINISTIC | Props.UNWEIGHTED_CYCLES | Props.ACYCLIC
+                   | Props.INITIAL_ACYCLIC)
     if np.any(word == 0):
-        props = _set(props, _EPSILONS | _I_EPSILONS | _O_EPSILONS, _NO_EPSILONS | _NO_I_EPSILONS | _NO_O_EPSILONS)
+        props = _set(props, Props.EPSILONS | Props.I_EPSILONS | Props.O_EPSILONS,
+                     Props.NO_EPSILONS | Props.NO_I_EPSILONS | Props.NO_O_EPSILONS)
     if np.any((src[1:] == src[:-1]) & (word[1:] < word[:-1])):  # compared with the state's previous arc
-        props = _set(props, _NOT_I_SORTED | _NOT_O_SORTED, _I_SORTED | _O_SORTED)
+        props = _set(props, Props.NOT_I_SORTED | Props.NOT_O_SORTED, Props.I_SORTED | Props.O_SORTED)
     weighted_arc = np.any((cost != 0).any(axis=1) & (cost != np.inf).any(axis=1))  # neither One nor Zero
     weighted_final = np.any((final != 0).any(axis=1) & (final != np.inf).any(axis=1))
     if weighted_arc or weighted_final:
-        props = _set(props, _WEIGHTED, _UNWEIGHTED)
+        props = _set(props, Props.WEIGHTED, Props.UNWEIGHTED)
     if np.any(dst <= src):
-        props = _set(props, _NOT_TOP_SORTED, _TOP_SORTED)
-    if src.size and props & _TOP_SORTED:
-        props |= _ACYCLIC | _INITIAL_ACYCLIC
+        props = _set(props, Props.NOT_TOP_SORTED, Props.TOP_SORTED)
+    if src.size and props & Props.TOP_SORTED:
+        props |= Props.ACYCLIC | Props.INITIAL_ACYCLIC
     return props
-
-
-def _pack_string(s: str) -> bytes:
-    raw = s.encode("ascii")
-    return struct.pack("<i", len(raw)) + raw
 
 
 def write_fst_bytes(lat: Lattice, arc_type: str = "lattice4") -> bytes:
@@ -459,7 +437,7 @@ def write_fst_bytes(lat: Lattice, arc_type: str = "lattice4") -> bytes:
     where = f"lattice {lat.name!r}"
     if k == 1 and np.any(lat.acoustic != 0):
         raise ValueError(f"{where} has acoustic costs; a tropical (standard) FST holds only one cost")
-    if S > _MAX_STATES or (A and not 0 <= lat.word.min() <= lat.word.max() <= _MAX_STATES):
+    if S > MAX_STATES or (A and not 0 <= lat.word.min() <= lat.word.max() <= MAX_STATES):
         raise LatticeFormatError(f"{where}: state ids and words must fit in int32 for an OpenFST file")
     order = np.argsort(lat.src, kind="stable")  # (A,) by state, each state's arcs in their order
     src, dst, word = lat.src[order], lat.dst[order], lat.word[order]
@@ -471,11 +449,10 @@ def write_fst_bytes(lat: Lattice, arc_type: str = "lattice4") -> bytes:
     if not (np.isfinite(cost).all() and np.isfinite(final[is_final]).all()):
         raise LatticeFormatError(f"{where}: a cost is too large for float32")
     props = built_properties(src, dst, word, cost, final)
-    header = (struct.pack("<i", FST_MAGIC) + _pack_string("vector") + _pack_string(arc_type)
-              + struct.pack("<iiQqqq", 2, 0, props, lat.start, S, 0))
+    header = vector_header(arc_type, props, lat.start, S)
     head = np.zeros(S, dtype=[("final", "<f4", (k,)), ("narcs", "<i8")])  # (S,) what precedes each state's arcs
     head["final"], head["narcs"] = final, np.bincount(src, minlength=S)
-    arcs = np.zeros(A, dtype=_arc_dtype(k))
+    arcs = np.zeros(A, dtype=arc_dtype(k))
     arcs["ilabel"] = arcs["olabel"] = word
     arcs["weight"], arcs["nextstate"] = cost, dst
     out = np.zeros(len(header) + S * head.itemsize + A * arcs.itemsize, dtype=np.uint8)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,77 +18,29 @@ from ..errors import ConfigError, SmallstateError
 from ..files import BackgroundWriter, atomic_write_text
 from ..weights import Weights
 from .fst_binary import write_fst_bytes
+from .kaldi_write import KaldiArchiveWriter
 from .lattice import Lattice, LatticeFormatError, SymbolTable
 from .lattice_expand import ExpandedLattice, ExpandStats, LatticeRescorer
-from .lattice_io import lattice_format, read_lattice, utterance_id
+from .lattice_formats import (
+    LATTICE_FORMATS,
+    ResolvedInput,
+    is_rspecifier,
+    parse_rspecifier,
+    resolve_input,
+    utterance_id,
+)
+from .lattice_io import (
+    LatticeInput,
+    lattice_inputs,
+    read_lattice,  # noqa: F401  (re-exported: benchmarks import it from here)
+)
 from .nbest_io import Hypothesis, Utterance, write_nbest_jsonl, write_text
 from .wer import write_wer_report
 
-_RSPECIFIER = re.compile(r"^(?:ark|scp)(?:,[a-z]+)*:|^[a-z]+(?:,[a-z]+)*,(?:ark|scp)(?:,[a-z]+)*:")
 
-
-@dataclass
-class LatticeInput:
-    """One lattice to rescore: its name (utterance id), where it came from (for messages) and how to get it.
-    Lattices of a Kaldi archive or script also name that archive and the entry kind, so that the rescored
-    ones are written back as an archive of the same kind."""
-
-    name: str
-    origin: str  # the file, or `archive[key]`
-    load: Callable[[], Lattice]
-    archive: str | None = None  # the Kaldi archive or script (as given) the lattice came from
-    kind: str | None = None  # Kaldi entry kind: "compact" or "lattice"
-
-
-def is_kaldi_spec(spec: str | Path) -> bool:
-    """A Kaldi rspecifier (`ark:...`, `scp:...`, `ark,t:...`) rather than a file name."""
-    return bool(_RSPECIFIER.match(str(spec)))
-
-
-def is_archive_input(spec: str | Path) -> bool:
+def is_archive_input(spec: str | Path | ResolvedInput) -> bool:
     """A Kaldi archive or script (by rspecifier, name or content): many lattices, written back as one archive."""
-    from .lattice_io import lattice_format
-
-    return is_kaldi_spec(spec) or getattr(lattice_format(spec), "many", False)
-
-
-def _failed(err: Exception) -> Callable[[], Lattice]:
-    def load() -> Lattice:
-        raise err
-    return load
-
-
-def _archive_inputs(spec: str, symbols: SymbolTable | None) -> Iterator[LatticeInput]:
-    from .kaldi_archive import iter_kaldi_entries
-
-    try:  # an entry with bad content fails alone, in its load; broken framing ends the archive here
-        with contextlib.closing(iter_kaldi_entries(spec, symbols)) as entries:
-            for key, kind, load in entries:
-                yield LatticeInput(key, f"{spec}[{key}]", load, spec, kind)
-    except LatticeFormatError as e:  # the archive cannot be read on from here: report it, go on with the next
-        yield LatticeInput(f"{spec}#error", spec, _failed(e), spec)
-
-
-def lattice_inputs(specs: Iterable[str | Path], symbols: SymbolTable | None) -> Iterator[LatticeInput]:
-    """The lattices of the given inputs, lazily, in order: a lattice file (.fst, SLF) is one; a Kaldi archive
-    (`lat.1.gz`, `x.ark`, or an rspecifier `ark:...` / `scp:lat.scp`) is read entry by entry as the rescoring
-    goes (the archive is never held whole). A file that cannot be read becomes an input whose `load` raises."""
-    for spec in specs:
-        if is_kaldi_spec(spec):
-            yield from _archive_inputs(str(spec), symbols)
-            continue
-        path = Path(spec)
-        try:
-            fmt = lattice_format(path)
-        except SmallstateError as e:
-            fmt, err = None, e
-        else:
-            err = None
-        if fmt is not None and fmt.many:
-            yield from _archive_inputs(str(path), symbols)
-        else:
-            yield LatticeInput(utterance_id(path), str(path),
-                               _failed(err) if err is not None else (lambda p=path: read_lattice(p, symbols)))
+    return resolve_input(spec).many
 
 
 @dataclass
@@ -181,7 +132,7 @@ class LatticeResult:
         return dataclasses.replace(self, lattice=None, fst=write_fst_bytes(self.lattice, "lattice4"))
 
 
-def check_archive_outputs(specs: Sequence[Path | str]) -> None:
+def check_archive_outputs(specs: Sequence[Path | str | ResolvedInput]) -> None:
     """Refuse inputs whose rescored archives would land at the same `lattices/<name>` (two `lat.1.gz` from
     different directories), before anything is written."""
     seen: dict[str, str] = {}
@@ -198,8 +149,6 @@ def check_archive_outputs(specs: Sequence[Path | str]) -> None:
 def archive_output_name(spec: str) -> str:
     """The file name a rescored Kaldi archive gets under `out/lattices/`: the input archive's own name
     (`lat.1.gz` stays `lat.1.gz`), or for a script `x.scp` the archive `x.ark`."""
-    from .kaldi_archive import parse_rspecifier
-
     kind, path = parse_rspecifier(spec)
     return path.name[: -len(".scp")] + ".ark" if kind == "scp" and path.name.endswith(".scp") else path.name
 
@@ -310,8 +259,6 @@ class LatticeOutputs:
                 self.on_error(Path(spec), f"{spec}[{name}]: {e}")
 
     def _archive(self, spec: str, kind: str | None):
-        from .kaldi_archive import KaldiArchiveWriter
-
         name = archive_output_name(spec)
         if name not in self.archives:
             (self.out / "lattices").mkdir(parents=True, exist_ok=True)
@@ -366,7 +313,7 @@ def write_ctm(path: Path, timed: dict[str, list[tuple[str, float, float]]]) -> N
     atomic_write_text(path, "".join(lines))
 
 
-def rescore_lattices(inputs: Iterable[Path | str | LatticeInput], symbols: SymbolTable | None,
+def rescore_lattices(inputs: Iterable[Path | str | ResolvedInput | LatticeInput], symbols: SymbolTable | None,
                      rescorer: LatticeRescorer, nbest: int = 10, write_lattices: bool = True,
                      ctm: CtmOptions | None = None) -> Iterator[tuple[int, LatticeResult]]:
     """Yield `(index of the input, LatticeResult)` as lattices finish (not in input order);
@@ -400,18 +347,33 @@ def rescore_lattices(inputs: Iterable[Path | str | LatticeInput], symbols: Symbo
     yield from failures
 
 
-def rescore_lattice_files(paths: Sequence[Path | str], symbols: SymbolTable | None, rescorer: LatticeRescorer,
-                          out: Path, refs: dict[str, list[str]] | None = None, nbest: int = 10,
-                          write_lattices: bool = True, progress: bool = True, on_error=None,
-                          ctm: CtmOptions | None = None, archive_text: bool = False) -> LatticeRunSummary:
-    """Rescore each lattice of the given files and Kaldi archives; an input that fails to read or expand is
-    reported through `on_error(path, message)` and skipped, the others are still written."""
-    check_archive_outputs(paths)
-    single = paths if all(is_single_lattice_file(p) for p in paths) else None  # the progress bar's total
-    outputs = LatticeOutputs(single, out, refs, write_lattices, progress, on_error, ctm, archive_text)
+@dataclass(frozen=True)
+class RunOptions:
+    """What a run writes besides best.txt: `nbest` hypotheses per lattice in nbest.jsonl (0: no file), the
+    rescored lattices (`write_lattices`), best.ctm (with `ctm`), and rescored Kaldi archives as text (`ark,t`,
+    with `archive_text`) instead of binary."""
+
+    nbest: int = 10
+    write_lattices: bool = True
+    ctm: CtmOptions | None = None
+    archive_text: bool = False
+
+
+def rescore_lattice_files(inputs: Sequence[Path | str | ResolvedInput], symbols: SymbolTable | None,
+                          rescorer: LatticeRescorer, out: Path, refs: dict[str, list[str]] | None = None,
+                          options: RunOptions | None = None, progress: bool = True,
+                          on_error: Callable[[Path, str], None] | None = None) -> LatticeRunSummary:
+    """Rescore each lattice of the given files and Kaldi archives (each resolved once, see `resolve_input`); an
+    input that fails to read or expand is reported through `on_error(path, message)` and skipped, the others
+    are still written."""
+    o = options or RunOptions()
+    sources = [resolve_input(p) for p in inputs]
+    check_archive_outputs(sources)
+    single = None if any(s.many for s in sources) else [s.spec for s in sources]  # the progress bar's total
+    outputs = LatticeOutputs(single, out, refs, o.write_lattices, progress, on_error, o.ctm, o.archive_text)
     calls_before = rescorer.lm_calls
     try:
-        for i, r in rescore_lattices(paths, symbols, rescorer, nbest, write_lattices, ctm):
+        for i, r in rescore_lattices(sources, symbols, rescorer, o.nbest, o.write_lattices, o.ctm):
             outputs.add(r, i)
     except BaseException:
         outputs.abort()
@@ -421,7 +383,5 @@ def rescore_lattice_files(paths: Sequence[Path | str], symbols: SymbolTable | No
 
 def is_single_lattice_file(p: Path | str) -> bool:
     """A one-lattice file (so the progress bar knows its total in advance), by name only: no file is opened."""
-    from .lattice_io import LATTICE_FORMATS
-
     name = Path(p).name
-    return not is_kaldi_spec(p) and any(name.endswith(f.suffixes) and not f.many for f in LATTICE_FORMATS)
+    return not is_rspecifier(p) and any(name.endswith(f.suffixes) and not f.many for f in LATTICE_FORMATS)

@@ -1,0 +1,145 @@
+"""The OpenFST text form of a lattice (what `fstprint` writes): read, and printed exactly.
+
+Arcs are `src dst ilabel olabel [graph,acoustic]`, finals `state [graph,acoustic]`; the start state is the source
+of the first line. Words are output labels: integer ids of the decoder's symbol table, or the symbols themselves.
+A single-cost weight is tropical (acoustic 0); a missing weight is 0. Errors name the source, the line and the
+state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .lattice import Lattice, LatticeFormatError, SymbolTable
+
+
+def _parse_cost(s: str, where: str) -> tuple[float, float]:
+    """`graph,acoustic` (lattice4) or `graph` (tropical: acoustic 0)."""
+    parts = s.split(",")
+    if len(parts) > 2:
+        raise LatticeFormatError(f"{where}: weight {s!r} must be 'graph,acoustic' or a single cost")
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise LatticeFormatError(f"{where}: weight {s!r} is not a number") from None
+    if any(math.isnan(v) for v in vals):
+        raise LatticeFormatError(f"{where}: weight {s!r} is NaN")
+    return (vals[0], vals[1] if len(vals) == 2 else 0.0)
+
+
+
+@dataclass
+class _FstTextLines:
+    """What the lines of an OpenFST text form say, checked line by line: arcs (A,) and final weights."""
+
+    symbols: SymbolTable
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    word: list[int] = field(default_factory=list)
+    graph: list[float] = field(default_factory=list)
+    acoustic: list[float] = field(default_factory=list)
+    finals: dict[int, tuple[float, float]] = field(default_factory=dict)
+    first: int | None = None  # the start state: the source of the first line
+    max_state: int = -1
+
+    def add(self, parts: list[str], line: str, loc: str) -> None:
+        """Take one line (`parts`, its columns) found at `loc` (`source:line`)."""
+        try:
+            s = int(parts[0])
+            d = int(parts[1]) if len(parts) >= 4 else None
+        except ValueError:
+            raise LatticeFormatError(f"{loc}: state ids must be integers, got {line.strip()!r}") from None
+        where = f"{loc}: state {s}"
+        if s < 0 or (d is not None and d < 0):
+            raise LatticeFormatError(f"{where}: state ids must be >= 0, got {line.strip()!r}")
+        if self.first is None:
+            self.first = s
+        if len(parts) in (1, 2):
+            self._final(parts, s, where)
+        elif len(parts) in (4, 5):
+            self._arc(parts, s, d, where)
+        else:
+            raise LatticeFormatError(f"{loc}: expected 'src dst ilabel olabel [graph,acoustic]' or "
+                                     f"'state [graph,acoustic]', got {line.strip()!r}")
+
+    def _final(self, parts: list[str], s: int, where: str) -> None:
+        gc, acc = _parse_cost(parts[1], where) if len(parts) == 2 else (0.0, 0.0)
+        if gc == -math.inf or acc == -math.inf:
+            raise LatticeFormatError(f"{where}: final weight {parts[1]!r} is -inf")
+        if s in self.finals:
+            raise LatticeFormatError(f"{where}: the state has a second final weight")
+        if math.isfinite(gc) and math.isfinite(acc):
+            self.finals[s] = (gc, acc)
+        self.max_state = max(self.max_state, s)
+
+    def _arc(self, parts: list[str], s: int, d: int, where: str) -> None:
+        label, symbols = parts[3], self.symbols
+        try:
+            w = int(label)
+            known = w == 0 or symbols.has_id(w)
+        except ValueError:  # symbolic labels (fstprint with a symbol table)
+            w = symbols._id.get(label, -1)
+            known = w >= 0
+        if not known:
+            raise LatticeFormatError(f"{where}: label {label} is not in the symbol table ({len(symbols)} symbols)")
+        gc, acc = _parse_cost(parts[4], where) if len(parts) == 5 else (0.0, 0.0)
+        if not (math.isfinite(gc) and math.isfinite(acc)):
+            raise LatticeFormatError(f"{where}: arc to state {d} has a non-finite weight {parts[4]!r}")
+        self.src.append(s)
+        self.dst.append(d)
+        self.word.append(w)
+        self.graph.append(gc)
+        self.acoustic.append(acc)
+        self.max_state = max(self.max_state, s, d)
+
+    def lattice(self, name: str) -> Lattice:
+        if self.first is None:
+            raise LatticeFormatError(f"{name}: empty lattice (no arcs and no final states)")
+        S = self.max_state + 1
+        fg = np.full(S, np.inf)
+        fa = np.full(S, np.inf)
+        for s, (gc, acc) in self.finals.items():
+            fg[s], fa[s] = gc, acc
+        return Lattice(
+            name=name, num_states=S, start=self.first,
+            src=np.asarray(self.src, dtype=np.int64), dst=np.asarray(self.dst, dtype=np.int64),
+            word=np.asarray(self.word, dtype=np.int64), graph=np.asarray(self.graph, dtype=np.float64),
+            acoustic=np.asarray(self.acoustic, dtype=np.float64), final_graph=fg, final_acoustic=fa,
+            symbols=self.symbols,
+        )
+
+
+def read_fst_text(text: str, symbols: SymbolTable, name: str = "<text>") -> Lattice:
+    """Parse the OpenFST text form: arcs `src dst ilabel olabel [graph,acoustic]`, finals `state [weight]`.
+
+    The start state is the source of the first line (OpenFST's convention). Words are output labels:
+    integer ids of `symbols`, or the symbols themselves. A single-cost weight is tropical (acoustic 0);
+    a missing weight is 0. Errors name `name:line` and the state.
+    """
+    lines = _FstTextLines(symbols)
+    for n, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if parts:
+            lines.add(parts, line, f"{name}:{n}")
+    return lines.lattice(name)
+
+
+def lattice_to_text(lattice: Lattice) -> str:
+    """The OpenFST text form (`src dst word word graph,acoustic`; finals `state graph,acoustic`), start
+    state's lines first, costs printed exactly (shortest round-trip repr)."""
+    order = np.argsort(lattice.src != lattice.start, kind="stable")  # the start's arcs first
+    lines = [f"{s}\t{d}\t{w}\t{w}\t{g!r},{a!r}" for s, d, w, g, a in zip(
+        lattice.src[order].tolist(), lattice.dst[order].tolist(), lattice.word[order].tolist(),
+        lattice.graph[order].tolist(), lattice.acoustic[order].tolist())]
+    finals = np.flatnonzero(lattice.is_final())
+    finals = finals[np.argsort(finals != lattice.start, kind="stable")]
+    final_lines = [f"{s}\t{g!r},{a!r}" for s, g, a in zip(finals.tolist(), lattice.final_graph[finals].tolist(),
+                                                          lattice.final_acoustic[finals].tolist())]
+    if finals.size and finals[0] == lattice.start and not np.any(lattice.src == lattice.start):
+        lines = final_lines[:1] + lines + final_lines[1:]
+    else:
+        lines += final_lines
+    return "\n".join(lines) + "\n"
