@@ -16,7 +16,7 @@ LAYERS = {
     "device": (CORE, "core"),
     "models": (MODELS, "models"),
     "checkpoint": (SCORING, "scoring"), "ngram": (SCORING, "scoring"), "scoring": (SCORING, "scoring"),
-    "weights": (SCORING, "scoring"),
+    "weights": (SCORING, "scoring"), "lms": (SCORING, "scoring"),
     "rescoring": (WORK, "rescoring"),
     "data": (WORK, "training"), "evaluate": (WORK, "training"), "train": (WORK, "training"),
     "distill": (WORK, "training"), "tasks": (WORK, "training"), "train_config": (WORK, "training"),
