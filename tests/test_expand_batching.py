@@ -71,10 +71,10 @@ def test_word_flags_look_at_the_ids_asked_and_match_is_word():
 
 
 def test_the_ngram_answer_table_finds_every_key_given_and_stays_in_few_runs():
-    from smallstate_lm.rescoring.lattice_expand import _SortedRuns
+    from smallstate_lm.rescoring.lm_cache import SortedRuns
 
     rng = np.random.default_rng(0)
-    table, ref = _SortedRuns(), {}
+    table, ref = SortedRuns(), {}
     for _ in range(1500):  # levels of a long run: each asks for some pairs, some of them new
         asked = np.unique(rng.integers(0, 40_000, int(rng.integers(1, 300))))
         hit, lp, nxt = table.find(asked)

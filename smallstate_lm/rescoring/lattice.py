@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import SmallstateError
 from ..files import atomic_write_text, read_text
-from .native import as_int64, library, upward
+from .graph import backtrack, concat_ranges, state_levels, viterbi
 
 
 class LatticeFormatError(SmallstateError):
@@ -366,87 +366,9 @@ class Lattice:
         s = int(np.argmin(total))
         if not math.isfinite(total[s]):
             raise LatticeFormatError(f"lattice {lat.name!r} has no finite-cost complete path")
-        arcs = []
-        while s != 0:
-            a = int(back[s])
-            arcs.append(a)
-            s = int(lat.src[a])
-        path = lat.word[arcs[::-1]]
+        path = lat.word[backtrack(back, lat.src, s)]
         words = [lat.symbols.word(w) for w in path[lat.symbols.word_flags(path)].tolist()]
         return words, float(total.min())
-
-
-def state_levels(num_states: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """(S,) int64 longest-path depth of each state of a DAG: states of one level have no arc between
-    them. States are peeled a level at a time (those whose predecessors are all done), so each arc is
-    looked at once; several lattices laid end to end are done together. States on a cycle keep 0."""
-    level = np.zeros(num_states, dtype=np.int64)
-    if len(src) == 0:
-        return level
-    lib = library()
-    if lib is not None and upward(src, dst, num_states):  # one pass in arc order (_native.c)
-        lib.ssl_levels_up(num_states, len(src), as_int64(src), as_int64(dst), level)
-        return level
-    waiting = np.bincount(dst, minlength=num_states)  # unfinished predecessors, by arc
-    order = np.argsort(src, kind="stable")
-    first = np.searchsorted(src[order], np.arange(num_states + 1))
-    ready = np.flatnonzero(waiting == 0)
-    depth = 0
-    while ready.size:
-        level[ready] = depth
-        out = dst[order[concat_ranges(first[ready], first[ready + 1] - first[ready])]]
-        if out.size == 0:
-            break
-        to, n = np.unique(out, return_counts=True)
-        waiting[to] -= n
-        ready = to[waiting[to] == 0]
-        depth += 1
-    return level
-
-
-def viterbi(num_nodes: int, src: np.ndarray, dst: np.ndarray, cost: np.ndarray,
-            level: np.ndarray, sources: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Best (lowest) cost from node 0 (or from the nearest of `sources`: several graphs laid end to
-    end) to every node of a DAG, and the best incoming arc (-1: none).
-
-    `level` (N,) is a longest-path depth (`state_levels`): arcs into one level are relaxed together.
-    Ties go to the lowest arc index, as a scan of each node's incoming arcs in index order would."""
-    dist = np.full(num_nodes, np.inf)
-    back = np.full(num_nodes, -1, dtype=np.int64)
-    lib = library()
-    starts = as_int64(np.zeros(1) if sources is None else np.atleast_1d(sources))
-    if (lib is not None and num_nodes and upward(src, dst, num_nodes, cost)
-            and bool(np.all((starts >= 0) & (starts < num_nodes)))):  # one pass in arc order (_native.c)
-        lib.ssl_viterbi_up(num_nodes, len(src), as_int64(src), as_int64(dst), np.ascontiguousarray(cost, dtype=float),
-                           len(starts), starts, dist, back)
-        return dist, back
-    if num_nodes:
-        dist[0 if sources is None else sources] = 0.0
-    arc_level = level[dst]
-    order = np.argsort(arc_level, kind="stable")
-    bounds = np.searchsorted(arc_level[order], np.arange(int(level.max(initial=0)) + 2))
-    first = np.full(num_nodes, len(src), dtype=np.int64)  # lowest best in-arc of each node
-    for lo, hi in zip(bounds[1:-1].tolist(), bounds[2:].tolist()):
-        if lo == hi:
-            continue
-        a = order[lo:hi]  # arcs into this level: their targets have no other in-arcs
-        d = dst[a]
-        cand = dist[src[a]] + cost[a]
-        np.minimum.at(dist, d, cand)
-        win = cand == dist[d]
-        np.minimum.at(first, d[win], a[win])
-    reached = first < len(src)
-    back[reached] = first[reached]
-    return dist, back
-
-
-def concat_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated aranges starts[i] .. starts[i] + counts[i] (the arcs of several states at once)."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, counts)
 
 
 def _reach(S: int, frm: np.ndarray, to: np.ndarray, seeds: list[int]) -> np.ndarray:
