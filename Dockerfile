@@ -58,13 +58,11 @@ print("INC=%s LIB=%s/%s SITE=%s EXT=%s" % (p["include"], c("LIBDIR"), c("LDLIBRA
         | while read -r lib; do dpkg -S "*/$(basename "$(readlink -f "$lib")")" 2>/dev/null; done | cut -d: -f1 | sort -u > /kenlm.packages \
     && PYTHONPATH="/kenlm$SITE" python3 -c "import kenlm" \
     && rm -rf /src
-# the compiled loops of lattice rescoring (k-best, FST records, searches), then the package
+# the package
 WORKDIR /src/app
 COPY pyproject.toml README.md ./
-COPY scripts/build_native.sh scripts/
 COPY smallstate_lm ./smallstate_lm
-RUN bash scripts/build_native.sh \
-    && python3 -m pip install -q --no-deps --no-build-isolation --ignore-installed --no-warn-script-location --root /pkg .
+RUN python3 -m pip install -q --no-deps --no-build-isolation --ignore-installed --no-warn-script-location --root /pkg .
 
 # ---- runtime: the base (its torch), KenLM's shared libraries, the pinned dependencies, the package
 FROM ${BASE}

@@ -50,8 +50,6 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
 fi
 # bytecode for the editable install, as a wheel install would have: every command starts faster
 "$PY" -m compileall -q smallstate_lm >/dev/null
-# the compiled loops of lattice rescoring (k-best, FST records, searches): a second, ~0.5 s
-bash scripts/build_native.sh
 
 if [ ! -x "$VENV/bin/lmplz" ] || [ ! -x "$VENV/bin/build_binary" ]; then
   mkdir -p "$BUILD_DIR"

@@ -21,7 +21,6 @@ from ..vocab import EOS_ID
 from ..weights import Weights, lm_score
 from .expanded import ExpandedLattice
 from .graph import concat_ranges, run_index, segments, sort_groups
-from .native import as_int64, library
 from .prepare import Arrays, EndToEnd, LatticeJob, Prepared
 
 
@@ -29,15 +28,6 @@ def merge_keys(lat_s: np.ndarray, key: np.ndarray, cost: np.ndarray) -> tuple[np
     """Paths merged by (lattice state, key): (each path's merged state, each merged state's best path (the
     lowest cost, the first of equal ones), its first path). Merged states may come in any order: what
     follows orders them by their own values."""
-    lib = library()
-    if lib is not None:  # one pass with a hash table
-        n = len(key)
-        member, winner, first = (np.empty(n, dtype=np.int64) for _ in range(3))
-        groups = lib.ssl_group_min(n, as_int64(lat_s), as_int64(key), np.ascontiguousarray(cost, dtype=float),
-                                   member, winner, first)
-        if groups < 0:
-            raise MemoryError("merging paths: out of memory")
-        return member, winner[:groups], first[:groups]
     order, starts = sort_groups((lat_s, key), (cost,))
     member = np.empty(len(order), dtype=np.int64)
     member[order] = segments(starts, len(order))

@@ -33,7 +33,6 @@ from .fst_layout import (
     vector_header,
 )
 from .lattice import Lattice, LatticeFormatError, SymbolTable
-from .native import library
 
 _COSTS = {"lattice4": 2, "standard": 1}  # float32 costs per weight
 _INT64 = struct.Struct("<q")
@@ -205,10 +204,6 @@ def _gather(data: bytes, offsets: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _read_vector(b: _Bytes, h: FstHeader) -> RawFst:
     k = _COSTS[h.arc_type]
-    lib = library()
-    fast = _read_vector_whole(lib, b, h, k) if lib is not None else None
-    if fast is not None:
-        return fast
     starts, counts, problem = _vector_records(b, h.num_states, k)
     n = np.asarray(counts, dtype=np.int64)  # (S,) arcs of each state
     state = np.repeat(np.arange(n.size, dtype=np.int64), n)  # (A,)
@@ -222,27 +217,6 @@ def _read_vector(b: _Bytes, h: FstHeader) -> RawFst:
         raise b.error(bad or problem)
     final = _gather(b.data, np.asarray(starts, dtype=np.int64), np.dtype([("w", "<f4", (k,))]))["w"]
     return RawFst(h, num_states, final, state, arcs)
-
-
-def _read_vector_whole(lib, b: _Bytes, h: FstHeader, k: int) -> RawFst | None:
-    """`_read_vector` of a well-formed file by one compiled pass that copies the arcs out (_native.c); None
-    for a file with any problem, which the Python walk then reads, for its error message."""
-    n = len(b.data)
-    todo = h.num_states if h.num_states >= 0 else n
-    cap = max(0, min(todo, (n - b.pos) // (4 * k + 8) + 1))
-    counts, end = np.zeros(cap, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    finals, arcs = np.empty(cap * 4 * k, dtype=np.uint8), np.empty(n, dtype=np.uint8)  # filled by the pass
-    s = lib.ssl_vector_read(np.frombuffer(b.data, dtype=np.uint8), n, b.pos, todo, k, cap, counts, finals, arcs, end)
-    if int(end[0]) != n or (h.num_states >= 0 and s != h.num_states):
-        return None
-    counts = counts[:s]
-    dtype = arc_dtype(k)
-    arcs = arcs[: int(counts.sum()) * dtype.itemsize].view(dtype)
-    dest = arcs["nextstate"]
-    if ((arcs["ilabel"] < 0) | (arcs["olabel"] < 0) | (dest < 0) | (dest >= s)).any():
-        return None
-    state = np.repeat(np.arange(s, dtype=np.int64), counts)
-    return RawFst(h, s, finals[: s * 4 * k].view("<f4").reshape(s, k), state, arcs)
 
 
 def _read_const(b: _Bytes, h: FstHeader) -> RawFst:
@@ -457,11 +431,6 @@ def write_fst_bytes(lat: Lattice, arc_type: str = "lattice4") -> bytes:
     arcs["weight"], arcs["nextstate"] = cost, dst
     out = np.zeros(len(header) + S * head.itemsize + A * arcs.itemsize, dtype=np.uint8)
     out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-    lib = library()
-    if lib is not None:  # the same layout, written by a loop (_native.c)
-        lib.ssl_vector_write(S, k, np.ascontiguousarray(head["final"]), np.ascontiguousarray(head["narcs"]),
-                             arcs.view(np.uint8), out[len(header):])
-        return out.tobytes()
     before = np.cumsum(head["narcs"]) - head["narcs"]  # (S,) arcs before each state's
     at = len(header) + np.arange(S) * head.itemsize + before * arcs.itemsize  # (S,) byte offset of each record
     out[at[:, None] + np.arange(head.itemsize)] = head.view(np.uint8).reshape(S, head.itemsize)

@@ -1,17 +1,11 @@
 """Searches over acyclic graphs held as flat arrays (arc i goes src[i] -> dst[i], costs are -ln, lower is
 better), on one graph or on several laid end to end with their node ids offset: levels, Viterbi, best
 completion costs and backtracking; and the grouping of rows by key that the expansion's merges use.
-
-Where `_native.c` was built and a graph is numbered upwards with its arcs sorted by source (every prepared
-lattice and every expanded one), levels, Viterbi and completion costs run there in one pass over the arcs;
-the numpy code, which gives the same results bit for bit, runs everywhere else.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from .native import as_int64, library, upward
 
 
 def state_levels(num_states: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -20,10 +14,6 @@ def state_levels(num_states: int, src: np.ndarray, dst: np.ndarray) -> np.ndarra
     looked at once; several lattices laid end to end are done together. States on a cycle keep 0."""
     level = np.zeros(num_states, dtype=np.int64)
     if len(src) == 0:
-        return level
-    lib = library()
-    if lib is not None and upward(src, dst, num_states):
-        lib.ssl_levels_up(num_states, len(src), as_int64(src), as_int64(dst), level)
         return level
     waiting = np.bincount(dst, minlength=num_states)  # unfinished predecessors, by arc
     order = np.argsort(src, kind="stable")
@@ -51,13 +41,6 @@ def viterbi(num_nodes: int, src: np.ndarray, dst: np.ndarray, cost: np.ndarray,
     Ties go to the lowest arc index, as a scan of each node's incoming arcs in index order would."""
     dist = np.full(num_nodes, np.inf)
     back = np.full(num_nodes, -1, dtype=np.int64)
-    lib = library()
-    starts = as_int64(np.zeros(1) if sources is None else np.atleast_1d(sources))
-    if (lib is not None and num_nodes and upward(src, dst, num_nodes, cost)
-            and bool(np.all((starts >= 0) & (starts < num_nodes)))):
-        lib.ssl_viterbi_up(num_nodes, len(src), as_int64(src), as_int64(dst), np.ascontiguousarray(cost, dtype=float),
-                           len(starts), starts, dist, back)
-        return dist, back
     if num_nodes:
         dist[0 if sources is None else sources] = 0.0
     arc_level = level[dst]
@@ -95,10 +78,6 @@ def completion_costs(src: np.ndarray, dst: np.ndarray, cost: np.ndarray, final: 
     """Best cost from each state to the end of the graph (`final` holds the final costs, inf elsewhere),
     relaxed a level at a time from the last (`level`: `state_levels`); works on many graphs laid end to end."""
     beta = np.where(np.isfinite(final), final, np.inf)
-    lib = library()
-    if lib is not None and upward(src, dst, len(beta), cost):  # one pass, last arc first
-        lib.ssl_backward_up(len(src), as_int64(src), as_int64(dst), np.ascontiguousarray(cost, dtype=float), beta)
-        return beta
     src_level = level[src]
     order = np.argsort(src_level, kind="stable")
     bounds = np.searchsorted(src_level[order], np.arange(int(level.max(initial=0)) + 2))

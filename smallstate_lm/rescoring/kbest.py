@@ -24,8 +24,6 @@ from collections import defaultdict
 
 import numpy as np
 
-from .native import library
-
 # Candidate pops allowed over all nodes before the search gives up (a safety net: the natural
 # bound above only exceeds it for very large lattices with a large n).
 DEFAULT_MAX_PATHS = 2_000_000
@@ -169,10 +167,6 @@ def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, 
     if n < 1 or len(final_node) == 0:
         return []
     graph = _graph(n_nodes, src, dst, cost, final_node, final_cost, word_key)
-    lib = library()
-    if (lib is not None and n_nodes < 1 << 31 and max_paths < 1 << 31
-            and (len(graph[3]) == 0 or int(graph[3].max()) < 1 << 31)):
-        return _kbest_native(lib, n_nodes, graph, n, max_paths)
     kb = _LazyKbest(n_nodes, *graph)
     sink = kb.sink
     for k in range(n):
@@ -191,31 +185,6 @@ def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, 
 def _truncated(pops: int, max_paths: int, found: int, n: int) -> None:
     warnings.warn(f"k-best search stopped after examining {pops} paths (max_paths={max_paths}): "
                   f"{found} of {n} word sequences returned", KbestTruncated, stacklevel=3)
-
-
-def _kbest_native(lib, n_nodes: int, graph: tuple, n: int, max_paths: int) -> list[tuple[float, np.ndarray, int]]:
-    """`kbest_paths` by `_native.c`'s twin of `_LazyKbest` (same pops in the same order)."""
-    src, _, cost, word, in_start, in_arcs = graph
-    nodes, n_arcs = n_nodes + 1, len(src)
-    total, last, length = np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    pops, truncated = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    in_start, in_arcs = np.ascontiguousarray(in_start, dtype=np.int64), np.ascontiguousarray(in_arcs, dtype=np.int64)
-    room = min(n * nodes, max(4096, 64 * n))  # the arcs of all n paths, laid end to end: lattices are shallow
-    while True:
-        arcs = np.zeros(room, dtype=np.int64)
-        found = lib.ssl_kbest(nodes, src, cost, word, in_start, in_arcs, n_arcs, n, int(max_paths), total, last,
-                              length, arcs, room, pops, truncated)
-        if found != -2:
-            break
-        room = int(pops[0])  # what the paths found need: the search runs again (deterministic, rare)
-    if found < 0:
-        raise MemoryError("k-best search: out of memory")
-    if truncated[0]:
-        _truncated(int(pops[0]), max_paths, int(found), n)
-    first_final = n_arcs - (int(in_start[-1]) - int(in_start[-2]))
-    ends = np.cumsum(length[:found])
-    return [(float(total[r]), arcs[ends[r] - length[r]: ends[r] - 1].copy(), int(last[r]) - first_final)
-            for r in range(found)]
 
 
 def nbest_dicts(expanded, w, n: int) -> list[dict]:

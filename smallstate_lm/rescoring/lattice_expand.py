@@ -25,16 +25,12 @@ from ..vocab import Vocabulary
 from ..weights import Weights
 from .expanded import ExpandedLattice, ExpandStats
 from .frontier import Frontier, LevelBudget, Paths, Queries, Run, Scores
-from .frontier import merge_keys as _merge_keys
-from .graph import completion_costs as _backward
 from .lattice import Lattice
 from .lm_cache import LmCache
 from .prepare import LatticeJob, prepare_group
 
-# ExpandedLattice and ExpandStats are imported from here by the drivers; tests/test_native.py checks the
-# compiled twins of the last two under these names
-__all__ = ["ExpandConfig", "ExpandStats", "ExpandedLattice", "LatticeRescorer", "build_rescorer", "_backward",
-           "_merge_keys"]
+# ExpandedLattice and ExpandStats are imported from here by the drivers
+__all__ = ["ExpandConfig", "ExpandStats", "ExpandedLattice", "LatticeRescorer", "build_rescorer"]
 
 
 @dataclass
