@@ -133,7 +133,7 @@ def random_lattice(rng: np.random.Generator, name: str, symbols: SymbolTable, ma
                    A: int = 15) -> Lattice:
     """States 0..S-1 in topological order, arcs sorted by source, random words (or epsilon), costs and
     transition-ids."""
-    ids = np.append(np.flatnonzero(symbols.word_mask()), 0)
+    ids = np.append(np.flatnonzero(symbols.word_flags(np.arange(len(symbols) + 1))), 0)
     src = np.sort(rng.integers(0, S - 1, A))
     dst = src + 1 + rng.integers(0, 1 << 30, A) % (S - 1 - src)
     final = rng.random(S) < 0.3

@@ -274,7 +274,8 @@ def test_symbol_table_ids_and_word_test(words, toy):
     assert words.id("<eps>") == 0 and words.word(words.id("double")) == "double" and "double" in words
     assert len(toy) == 7 and toy.id("a") == 1
     assert [toy.is_word(i) for i in range(7)] == [False, True, True, True, False, False, False]
-    assert SymbolTable.from_words(["<unk>", "#0", "[NOISE]"]).word_mask().tolist() == [False, True, False, False]
+    assert SymbolTable.from_words(["<unk>", "#0", "[NOISE]"]).word_flags(np.arange(4)).tolist() == \
+        [False, True, False, False]
 
 
 @pytest.mark.parametrize("body,needle", [

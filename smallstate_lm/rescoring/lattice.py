@@ -164,10 +164,6 @@ class SymbolTable:
         i = int(i)
         return i != 0 and is_word_symbol(self.word(i))
 
-    def word_mask(self) -> np.ndarray:
-        """(max_id + 1,) bool: `is_word` for every id, for vectorised use (`mask[lattice.word]`)."""
-        return self.word_flags(np.arange(max(self._word, default=0) + 1))
-
     def word_flags(self, ids: np.ndarray) -> np.ndarray:
         """`is_word` of each id (False for ids not in the table), vectorised; each id's symbol is looked
         at once, when first asked for: a lattice uses a few hundred of a vocabulary's words."""
