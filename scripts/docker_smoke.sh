@@ -13,7 +13,7 @@
 #   IMAGE=TAG         the tag to build (smallstate-lm:smoke)
 #   RUN_ARGS="..."    extra `docker run` arguments for the service, e.g. "--gpus device=0" on a GPU host
 #   STOP_GRACE=10     seconds `docker stop` may wait (docker's default)
-set -euo pipefail
+set -Eeuo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 IMAGE="${IMAGE:-smallstate-lm:smoke}"
@@ -55,7 +55,7 @@ sys.exit(0 if eval(sys.argv[2]) else 1)
 EOF
 }
 # post PATH BODY-FILE OUT-FILE: prints the HTTP status
-post() { curl -sS -o "$3" -w '%{http_code}' -m 60 -H 'Content-Type: application/json' --data-binary "@$2" "$URL$1"; }
+post() { curl -s -o "$3" -w '%{http_code}' -m 60 -H 'Content-Type: application/json' --data-binary "@$2" "$URL$1" || true; }
 
 # ---- steps
 command -v docker >/dev/null || fail "docker is not installed"
