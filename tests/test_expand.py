@@ -80,12 +80,12 @@ def test_ngram_picks_the_best_path_worked_out_directly(bigram):
     exp = LatticeRescorer(w, ngram=bigram, config=ExpandConfig(max_ngram_order=None)).expand(lat)
     got = exp.nbest(w, 4)
     expected = sorted(SAUSAGE_COSTS, key=lambda p: -direct_total(p, w, SAUSAGE_COSTS, bigram))
-    assert [tuple(h["words"]) for h in got] == expected  # all four paths, in the directly computed order
+    assert [tuple(h.words) for h in got] == expected  # all four paths, in the directly computed order
     for h in got:
-        assert math.isclose(h["total"], direct_total(h["words"], w, SAUSAGE_COSTS, bigram), abs_tol=1e-6)
+        assert math.isclose(h.total, direct_total(h.words, w, SAUSAGE_COSTS, bigram), abs_tol=1e-6)
     # the first pass alone prefers the cheaper graph path; the LM changes the answer
     first, _ = lat.prepare().best_path(0.1, 1.0)
-    assert first == ["the", "man", "spoke"] and got[0]["words"] == ["the", "lord", "said"]
+    assert first == ["the", "man", "spoke"] and got[0].words == ["the", "lord", "said"]
 
 
 def test_neural_exact_expansion_equals_nbest_scoring_of_each_path(tiny_lm_dir, bigram):
@@ -96,7 +96,7 @@ def test_neural_exact_expansion_equals_nbest_scoring_of_each_path(tiny_lm_dir, b
     exp = LatticeRescorer(w, lm.model, lm.vocab, bigram, ExpandConfig(max_ngram_order=None)).expand(lat)
     scorer = NeuralScorer(lm.model, lm.vocab)
     for h in exp.nbest(w, 4):
-        assert math.isclose(h["total"], direct_total(h["words"], w, SAUSAGE_COSTS, bigram, scorer), abs_tol=1e-4)
+        assert math.isclose(h.total, direct_total(h.words, w, SAUSAGE_COSTS, bigram, scorer), abs_tol=1e-4)
 
 
 def test_merging_with_a_long_enough_order_equals_exact(tiny_lm_dir, bigram):
@@ -107,7 +107,7 @@ def test_merging_with_a_long_enough_order_equals_exact(tiny_lm_dir, bigram):
     exact = LatticeRescorer(w, lm.model, lm.vocab, bigram, ExpandConfig(max_ngram_order=None)).expand(lat)
     long = LatticeRescorer(w, lm.model, lm.vocab, bigram, ExpandConfig(max_ngram_order=5)).expand(lat)
     short = LatticeRescorer(w, lm.model, lm.vocab, bigram, ExpandConfig(max_ngram_order=2)).expand(lat)
-    assert long.nbest(w, 1)[0]["total"] == pytest.approx(exact.nbest(w, 1)[0]["total"], abs=1e-5)
+    assert long.nbest(w, 1)[0].total == pytest.approx(exact.nbest(w, 1)[0].total, abs=1e-5)
     assert short.stats.expanded_states < exact.stats.expanded_states  # histories merged
 
 
@@ -120,8 +120,8 @@ def test_reweighting_an_exact_expansion_needs_no_lm(tiny_lm_dir, bigram):
     cfg = ExpandConfig(max_ngram_order=None, beam=1e9)
     e1 = LatticeRescorer(w1, lm.model, lm.vocab, bigram, cfg).expand(lat)
     e2 = LatticeRescorer(w2, lm.model, lm.vocab, bigram, cfg).expand(lat)
-    assert [h["words"] for h in e1.nbest(w2, 4)] == [h["words"] for h in e2.nbest(w2, 4)]
-    assert np.allclose([h["total"] for h in e1.nbest(w2, 4)], [h["total"] for h in e2.nbest(w2, 4)])
+    assert [h.words for h in e1.nbest(w2, 4)] == [h.words for h in e2.nbest(w2, 4)]
+    assert np.allclose([h.total for h in e1.nbest(w2, 4)], [h.total for h in e2.nbest(w2, 4)])
 
 
 def test_words_absent_from_the_lm_are_unk_and_counted(tiny_lm_dir):
@@ -130,9 +130,9 @@ def test_words_absent_from_the_lm_are_unk_and_counted(tiny_lm_dir):
     lat = read_fst_text("0 1 1 1 0,1\n1 2 2 2 0,1\n2\n", sym, name="oov")
     w = Weights(am_scale=0.1, lm_weight=1.0, ngram_weight=0.0, oov_penalty=-2.0)
     h = LatticeRescorer(w, lm.model, lm.vocab).expand(lat).nbest(w, 1)[0]
-    assert h["words"] == ["the", "qzxv"] and h["n_oov"] == 1
+    assert h.words == ["the", "qzxv"] and h.n_oov == 1
     alone = NeuralScorer(lm.model, lm.vocab).token_logprobs([[["the", "<unk>"]]])[0][0]
-    assert math.isclose(h["neural"], float(alone.sum()), abs_tol=1e-4)
+    assert math.isclose(h.neural, float(alone.sum()), abs_tol=1e-4)
 
 
 def test_max_states_prunes_harder_and_says_so(bigram):
@@ -153,7 +153,7 @@ def test_lm_weight_zero_gives_the_first_pass_best_path(path, bigram):
     lat = read_fst(path, sym)
     w = Weights(am_scale=1 / 9.5, graph_scale=1.0, lm_weight=0.0, ngram_weight=0.0)
     got = LatticeRescorer(w, ngram=bigram).expand(lat).nbest(w, 1)[0]
-    assert got["words"] == kaldifst_best_words(path, sym, 1 / 9.5)
+    assert got.words == kaldifst_best_words(path, sym, 1 / 9.5)
 
 
 def test_rescored_lattice_round_trips_and_keeps_the_best_path(tmp_path, tiny_lm_dir, bigram):
@@ -168,7 +168,7 @@ def test_rescored_lattice_round_trips_and_keeps_the_best_path(tmp_path, tiny_lm_
     write_fst(tmp_path / "r.lat.fst", exp.to_lattice(w))
     back = read_fst(tmp_path / "r.lat.fst", sym).prepare()
     words, cost = back.best_path(w.am_scale, 1.0)
-    assert words == best["words"] and math.isclose(-cost, best["total"], abs_tol=1e-3)
+    assert words == best.words and math.isclose(-cost, best.total, abs_tol=1e-3)
 
 
 def test_cli_rescores_lattices_and_skips_a_broken_one(tmp_path, tiny_lm_dir, kenlm_model):
@@ -196,7 +196,7 @@ def test_slf_and_fst_versions_rescore_alike(tiny_lm_dir, bigram):
         slf = Path(str(fst).replace(".lat.fst", ".lm.slf.gz"))
         a = LatticeRescorer(w, lm.model, lm.vocab, bigram).expand(read_fst(fst, sym)).nbest(w, 1)[0]
         b = LatticeRescorer(w, lm.model, lm.vocab, bigram).expand(read_slf(slf, sym)).nbest(w, 1)[0]
-        assert a["words"] == b["words"] and math.isclose(a["total"], b["total"], abs_tol=1e-3)
+        assert a.words == b.words and math.isclose(a.total, b.total, abs_tol=1e-3)
 
 
 def test_tune_on_lattices_then_rescore_reproduces_its_wer(tmp_path, kenlm_model):

@@ -155,4 +155,4 @@ def test_a_wide_level_keeps_its_best_states_within_max_level_bytes(kenlm_model, 
     # words at 0, every history x every word at 1, </s> after the best 64 at 2
     assert free.stats.lm_rows == 20 + 20 * 40 + 64
     assert capped.stats.lm_rows <= 20 + 200 + 64
-    assert capped.nbest(W, 1)[0]["words"]
+    assert capped.nbest(W, 1)[0].words

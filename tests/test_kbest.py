@@ -1,6 +1,8 @@
+
 """Lazy k-best distinct word sequences: random DAGs against brute-force enumeration, the real
 expanded lattices against ExpandedLattice.nbest, and the cap on examined paths."""
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 from reference_expansion import reference_nbest
 
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.kbest import KbestTruncated, kbest_paths, nbest_dicts
+from smallstate_lm.rescoring.kbest import KbestTruncated, kbest_paths, nbest_paths
 from smallstate_lm.rescoring.lattice import SymbolTable
 from smallstate_lm.rescoring.lattice_expand import LatticeRescorer
 from smallstate_lm.rescoring.lattice_io import read_fst
@@ -172,10 +174,10 @@ def same_dicts(a: list[dict], b: list[dict]) -> bool:
 
 
 @pytest.mark.parametrize("w", WEIGHTS)
-def test_nbest_dicts_equal_expanded_lattice_nbest(expanded, w):
+def test_nbest_paths_equal_expanded_lattice_nbest(expanded, w):
     for x in expanded:
         for n in (1, 5, 20):
-            new = nbest_dicts(x, w, n)
+            new = [dataclasses.asdict(p) for p in nbest_paths(x, w, n)]
             assert same_dicts(new, reference_nbest(x, w, n)), (x.name, n)
             assert len({tuple(d["words"]) for d in new}) == len(new)
-        assert nbest_dicts(x, w, 1)[0]["words"] == x.best_words(w)
+        assert nbest_paths(x, w, 1)[0].words == x.best_words(w)

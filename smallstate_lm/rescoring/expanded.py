@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..weights import Weights, log_mix, weighted_total
 from .graph import backtrack, state_levels, viterbi
-from .kbest import nbest_dicts
+from .kbest import ScoredPath, nbest_paths
 from .lattice import Lattice, LatticeWarning, SymbolTable
 
 
@@ -114,10 +114,10 @@ class ExpandedLattice:
         return [(self.symbols.word(int(self.word[e])), float(a), float(b - a))
                 for e, a, b in zip(arcs.tolist(), start.tolist(), end.tolist()) if self.is_word[e] > 0]
 
-    def nbest(self, w: Weights, n: int = 1) -> list[dict]:
+    def nbest(self, w: Weights, n: int = 1) -> list[ScoredPath]:
         """The n best distinct word sequences under `w`, best first, each with its
         components (natural log) and total (higher is better): lazy k-best (kbest.py)."""
-        return nbest_dicts(self, w, n)
+        return nbest_paths(self, w, n)
 
     def first_pass_words(self, am_scale: float) -> list[str]:
         """The decoder's own best path, by graph + am_scale * acoustic on the source lattice."""

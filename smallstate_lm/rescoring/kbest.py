@@ -21,6 +21,7 @@ import heapq
 import math
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -187,10 +188,29 @@ def _truncated(pops: int, max_paths: int, found: int, n: int) -> None:
                   f"{found} of {n} word sequences returned", KbestTruncated, stacklevel=3)
 
 
-def nbest_dicts(expanded, w, n: int) -> list[dict]:
+@dataclass(frozen=True)
+class ScoredPath:
+    """One of a lattice's n best word sequences under some weights: its words, the natural-log components
+    of its best path, and its total (higher is better)."""
+
+    words: list[str]
+    am: float
+    graph: float
+    neural: float
+    ngram: float
+    n_words: int
+    n_oov: int
+    total: float
+
+    def scores(self) -> dict:
+        """The components and the total, as an n-best record holds them (nbest.jsonl)."""
+        return {"am": self.am, "graph": self.graph, "neural": self.neural, "ngram": self.ngram,
+                "n_words": self.n_words, "n_oov": self.n_oov, "total": self.total}
+
+
+def nbest_paths(expanded, w, n: int) -> list[ScoredPath]:
     """`ExpandedLattice.nbest(w, n)`: the n best distinct word sequences of an expanded lattice
-    under weights `w`, best first, each as a dict of its words, natural-log components (those of
-    its best path) and total (higher is better)."""
+    under weights `w`, best first."""
     x = expanded
     word_key = np.where(x.is_word > 0, x.word, -1)
     paths = kbest_paths(len(x.node_lat), x.src, x.dst, x.arc_costs(w), x.final_node, x.final_costs(w), word_key, n)
@@ -201,14 +221,7 @@ def nbest_dicts(expanded, w, n: int) -> list[dict]:
         am, graph, nn, ng, n_words, n_oov = per_arc[:, a].sum(axis=1).tolist()
         f_am, f_graph, f_nn, f_ng = per_final[:, fi].tolist()
         words = x.word[a][x.is_word[a] > 0]
-        out.append({
-            "words": [x.symbols.word(i) for i in words.tolist()],
-            "am": -am - f_am,
-            "graph": -graph - f_graph,
-            "neural": nn + f_nn,
-            "ngram": ng + f_ng,
-            "n_words": int(n_words),
-            "n_oov": int(n_oov),
-            "total": float(-tot),
-        })
+        out.append(ScoredPath(words=[x.symbols.word(i) for i in words.tolist()], am=-am - f_am,
+                              graph=-graph - f_graph, neural=nn + f_nn, ngram=ng + f_ng, n_words=int(n_words),
+                              n_oov=int(n_oov), total=float(-tot)))
     return out

@@ -19,6 +19,7 @@ from ..files import BackgroundWriter, atomic_write_text
 from ..weights import Weights
 from .fst_binary import write_fst_bytes
 from .kaldi_write import KaldiArchiveWriter
+from .kbest import ScoredPath
 from .lattice import Lattice, LatticeFormatError, SymbolTable
 from .lattice_expand import ExpandedLattice, ExpandStats, LatticeRescorer
 from .lattice_formats import (
@@ -83,8 +84,8 @@ class CtmOptions:
 
 @dataclass
 class LatticeResult:
-    """What the outputs need from one input lattice: its n-best (best first, each a dict
-    of words and natural-log components as `ExpandedLattice.nbest` gives them), the
+    """What the outputs need from one input lattice: its n-best (best first, as
+    `ExpandedLattice.nbest` gives them), the
     first pass's best words, the rescored lattice (None when not written) and the
     expansion's counters; or, for a file that failed, only `error`. Lattices of a Kaldi
     archive name it (`archive`, `kind`), so that they are written back into one; `ctm`
@@ -92,7 +93,7 @@ class LatticeResult:
 
     path: str
     name: str = ""
-    nbest: list[dict] = field(default_factory=list)  # empty when no n-best list was asked for
+    nbest: list[ScoredPath] = field(default_factory=list)  # empty when no n-best list was asked for
     best: list[str] = field(default_factory=list)
     first_pass: list[str] = field(default_factory=list)
     lattice: Lattice | None = None
@@ -107,7 +108,7 @@ class LatticeResult:
     def of(cls, path: str | Path, exp: ExpandedLattice, w: Weights, nbest: int = 10,
            write_lattices: bool = True, ctm: CtmOptions | None = None) -> LatticeResult:
         hyps = exp.nbest(w, nbest) if nbest > 0 else []
-        return cls(path=str(path), name=exp.name, nbest=hyps, best=hyps[0]["words"] if hyps else exp.best_words(w),
+        return cls(path=str(path), name=exp.name, nbest=hyps, best=hyps[0].words if hyps else exp.best_words(w),
                    first_pass=exp.first_pass_words(w.am_scale),
                    lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats,
                    ctm=exp.best_timed_words(w, ctm.seconds_per_tid) if ctm is not None else None)
@@ -225,8 +226,7 @@ class LatticeOutputs:
             self.timed[r.name] = r.ctm
         if r.nbest:
             self.nbest_utts.append(Utterance(r.name, [
-                Hypothesis(words=h["words"], am=h["am"], graph=h["graph"], id=str(k),
-                           scores={key: v for key, v in h.items() if key != "words"} | {"rank": k})
+                Hypothesis(words=h.words, am=h.am, graph=h.graph, id=str(k), scores=h.scores() | {"rank": k})
                 for k, h in enumerate(r.nbest)]))
         entry = None
         if self.write_lattices and r.archive is not None and r.lattice is not None:

@@ -110,7 +110,7 @@ def result(models: Models, w: Work, job: Job, t0: float) -> Result:
 
 
 def _ranked(models: Models, sc: dict, id: str, words: list[str], rank: int, w: Weights) -> RankedHypothesis:
-    """From the scores of apply_weights or ExpandedLattice.nbest (the same keys)."""
+    """From the scores of apply_weights or of a lattice's ScoredPath (the same keys)."""
     return RankedHypothesis(id=id, words=words, rank=rank, total=sc["total"], am=sc["am"], graph=sc["graph"],
                             neural=sc.get("neural") if models.neural is not None else None,
                             ngram=sc.get("ngram") if models.ngram is not None else None,
@@ -154,7 +154,7 @@ def _ranked_lattice(models: Models, it: LatticeItem, w: Weights) -> RankedUttera
     name = it.lattice.name
     if not it.hyps:
         raise ServiceError(f"lattice {name!r}: no complete path survived pruning", "utterances")
-    hyps = [_ranked(models, h, str(rank), h["words"], rank, w) for rank, h in enumerate(it.hyps)]
+    hyps = [_ranked(models, h.scores(), str(rank), h.words, rank, w) for rank, h in enumerate(it.hyps)]
     return RankedUtterance(name, "lattice", hyps)
 
 

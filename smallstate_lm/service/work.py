@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from smallstate_lm.errors import ConfigError, SmallstateError
+from smallstate_lm.rescoring.kbest import ScoredPath
 from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
 from smallstate_lm.rescoring.lattice_io import read_fst_text
 from smallstate_lm.rescoring.nbest import Components
@@ -46,7 +47,7 @@ class NbestItem:
 class LatticeItem:
     lattice: Lattice  # prepared (see `prepared`); its name is the utterance id
     n: int  # distinct word sequences to return
-    hyps: list[dict] | None = None  # ExpandedLattice.nbest
+    hyps: list[ScoredPath] | None = None  # ExpandedLattice.nbest
     lm_steps: int = 0
     seconds: float = 0.0  # predicted by the cost model: an upper bound (beam pruning is not foreseen)
     nbytes: int = 0
