@@ -267,10 +267,20 @@ def build_teacher_cache(teacher: nn.Module, seqs: list[list[int]], mode: str, k:
     return TeacherCache(mode=mode, ids=ids_all, logq=logq_all, offsets=offsets, key=key)
 
 
+@dataclass(frozen=True)
+class CacheBuild:
+    """How a missing teacher cache is made: token budget of the teacher's batches, device, seed, progress bar."""
+
+    batch_tokens: int
+    device: torch.device | str
+    seed: int = 0
+    progress: bool = False
+
+
 def get_teacher_cache(path: str | Path, teacher: nn.Module, seqs: list[list[int]], mode: str, k: int,
-                      batch_tokens: int, device: torch.device | str, seed: int, progress: bool) -> TeacherCache:
+                      build: CacheBuild) -> TeacherCache:
     """Load the cache at `path` when it was made from this teacher, these sequences,
-    mode and k; make and write it when the file does not exist."""
+    mode and k; make (as `build` says) and write it when the file does not exist."""
     path = Path(path)
     if path.exists():
         cache = TeacherCache.load(path)
@@ -282,7 +292,7 @@ def get_teacher_cache(path: str | Path, teacher: nn.Module, seqs: list[list[int]
                 raise ConfigError(f"{path}: this teacher cache was made for another {what}; delete it or give "
                                   "another --teacher-cache")
         return cache
-    cache = build_teacher_cache(teacher, seqs, mode, k, batch_tokens, device, seed, progress)
+    cache = build_teacher_cache(teacher, seqs, mode, k, build.batch_tokens, build.device, build.seed, build.progress)
     cache.save(path)
     return cache
 
@@ -313,8 +323,8 @@ def distill(tc: TrainConfig, dc: DistillConfig) -> dict:
     cache = None
     if dc.teacher_cache is not None and dc.lam > 0:
         seqs = split_long(encode_sentences(read_sentences(tc.train, vocab.lowercase), vocab), tc.max_len)
-        cache = get_teacher_cache(dc.teacher_cache, teacher, seqs, dc.mode, dc.k, dc.cache_batch_tokens, device,
-                                  tc.seed, tc.progress)
+        cache = get_teacher_cache(dc.teacher_cache, teacher, seqs, dc.mode, dc.k,
+                                  CacheBuild(dc.cache_batch_tokens, device, tc.seed, tc.progress))
     loss_fn = make_loss_fn(dc, teacher if cache is None else None, cache, tc.seed)
 
     with tempfile.TemporaryDirectory(prefix="smallstate-distill-") as tmp:

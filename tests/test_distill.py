@@ -8,6 +8,7 @@ from conftest import run_cli
 
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.distill import (
+    CacheBuild,
     DistillConfig,
     TeacherCache,
     build_teacher_cache,
@@ -153,14 +154,14 @@ def test_top_k_cache_round_trip_gives_the_live_teacher_targets(tmp_path):
 
 def test_an_existing_cache_is_loaded_and_a_stale_one_refused(tmp_path):
     teacher, seqs, path = teacher_model(), seqs_for_cache(), tmp_path / "c.pt"
-    get_teacher_cache(path, teacher, seqs, "top_k", 5, 16, "cpu", 0, False)
+    get_teacher_cache(path, teacher, seqs, "top_k", 5, CacheBuild(16, "cpu"))
     stamp = path.stat().st_mtime_ns
-    again = get_teacher_cache(path, teacher, seqs, "top_k", 5, 16, "cpu", 0, False)
+    again = get_teacher_cache(path, teacher, seqs, "top_k", 5, CacheBuild(16, "cpu"))
     assert path.stat().st_mtime_ns == stamp and again.ids.shape == (sum(map(len, seqs)), 5)
     with pytest.raises(ConfigError, match="another number of targets"):
-        get_teacher_cache(path, teacher, seqs, "top_k", 6, 16, "cpu", 0, False)
+        get_teacher_cache(path, teacher, seqs, "top_k", 6, CacheBuild(16, "cpu"))
     with pytest.raises(ConfigError, match="another training text"):
-        get_teacher_cache(path, teacher, seqs[:-1], "top_k", 5, 16, "cpu", 0, False)
+        get_teacher_cache(path, teacher, seqs[:-1], "top_k", 5, CacheBuild(16, "cpu"))
 
 
 @pytest.fixture

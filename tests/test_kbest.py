@@ -11,7 +11,7 @@ import pytest
 from reference_expansion import reference_nbest
 
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.kbest import KbestTruncated, kbest_paths, nbest_paths
+from smallstate_lm.rescoring.kbest import Dag, KbestTruncated, kbest_paths, nbest_paths
 from smallstate_lm.rescoring.lattice import SymbolTable
 from smallstate_lm.rescoring.lattice_expand import LatticeRescorer
 from smallstate_lm.rescoring.lattice_io import read_fst
@@ -74,7 +74,7 @@ def test_random_dags_equal_brute_force(seed):
     best = brute_force(*dag)
     ranked = sorted(best.items(), key=lambda kv: kv[1])
     for n in (1, 3, 10, ALL):
-        got = kbest_paths(*dag, n=n)
+        got = kbest_paths(Dag(*dag), n=n)
         assert len(got) == min(n, len(ranked))
         words = [check_path(dag, *p) for p in got]
         assert words == [w for w, _ in ranked[:n]]
@@ -88,22 +88,22 @@ def test_ties_are_exact_and_deterministic(seed):
     best = brute_force(*dag)
     totals = sorted(best.values())
     for n in (1, 3, 10, ALL):
-        got = kbest_paths(*dag, n=n)
+        got = kbest_paths(Dag(*dag), n=n)
         words = [check_path(dag, *p) for p in got]
         assert len(set(words)) == len(words)
         assert [p[0] for p in got] == pytest.approx(totals[:n], abs=1e-9)
         assert all(best[wd] == pytest.approx(p[0], abs=1e-9) for wd, p in zip(words, got))
-        again = kbest_paths(*dag, n=n)
+        again = kbest_paths(Dag(*dag), n=n)
         assert [(p[0], p[1].tolist(), p[2]) for p in again] == [(p[0], p[1].tolist(), p[2]) for p in got]
 
 
 def test_edge_cases():
-    assert kbest_paths(1, [], [], [], [0], [0.5], [], n=3)[0][0] == 0.5  # the start is final: the empty path
-    assert kbest_paths(2, [0], [1], [1.0], [1], [0.0], [5], n=0) == []
-    assert kbest_paths(3, [0], [1], [1.0], [2], [0.0], [5], n=2) == []  # no path reaches the final
-    assert len(kbest_paths(2, [0], [1], [1.0], [1], [np.inf], [5], n=2)) == 0  # an infinite final weight
+    assert kbest_paths(Dag(1, [], [], [], [0], [0.5], []), n=3)[0][0] == 0.5  # the start is final: the empty path
+    assert kbest_paths(Dag(2, [0], [1], [1.0], [1], [0.0], [5]), n=0) == []
+    assert kbest_paths(Dag(3, [0], [1], [1.0], [2], [0.0], [5]), n=2) == []  # no path reaches the final
+    assert len(kbest_paths(Dag(2, [0], [1], [1.0], [1], [np.inf], [5]), n=2)) == 0  # an infinite final weight
     with pytest.raises(ValueError):
-        kbest_paths(3, [1], [0], [1.0], [2], [0.0], [5], n=1)  # not topological
+        kbest_paths(Dag(3, [1], [0], [1.0], [2], [0.0], [5]), n=1)  # not topological
 
 
 def diamonds(k: int):
@@ -130,7 +130,7 @@ def test_many_same_word_paths_stay_cheap():
     n_arcs, n = len(dag[1]), 5
     with warnings.catch_warnings():
         warnings.simplefilter("error", KbestTruncated)
-        got = kbest_paths(*dag, n=n, max_paths=(n_arcs + 2) * (n + 1))
+        got = kbest_paths(Dag(*dag), n=n, max_paths=(n_arcs + 2) * (n + 1))
     assert [check_path(dag, *p) for p in got] == [(0,) * 40 + (1,), (0,) * 40 + (2,)]
     assert got[0][0] == pytest.approx(40 * 1.05)
 
@@ -140,12 +140,12 @@ def test_the_path_cap_returns_the_best_found_so_far_and_warns():
     checked = 0
     for seed in range(20):
         dag = random_dag(2000 + seed)
-        full = kbest_paths(*dag, n=ALL)
+        full = kbest_paths(Dag(*dag), n=ALL)
         if len(full) < 3:
             continue
         checked += 1
         with pytest.warns(KbestTruncated, match="max_paths=4"):
-            cut = kbest_paths(*dag, n=ALL, max_paths=4)
+            cut = kbest_paths(Dag(*dag), n=ALL, max_paths=4)
         assert len(cut) < len(full)
         assert [(p[0], p[1].tolist(), p[2]) for p in cut] == [(p[0], p[1].tolist(), p[2]) for p in full[:len(cut)]]
     assert checked >= 5

@@ -132,16 +132,29 @@ class _Write(torch.autograd.Function):
         return g_kv, (g_link if ctx.has_link else None), None, None
 
 
-class _Attend(torch.autograd.Function):
-    """One query per row and head over buffer columns [lo, hi) of group g plus one
-    extra key/value of its own.
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """Where one step attends: buffer columns [lo, hi) of group g on `tape`, with an additive bias
+    (B, 1, hi-lo) of 0 / -inf or None, and the scores' scale. No gradient flows into any of it."""
 
-    q, k_self, v_self: (B, H, Dh). bias: (B, 1, hi-lo) additive (0 / -inf), or None.
-    Returns (B, H, Dh). Attention probabilities are kept for the backward (B, H, n+1).
+    tape: _Tape
+    g: int
+    lo: int
+    hi: int
+    bias: Tensor | None
+    scale: float
+
+
+class _Attend(torch.autograd.Function):
+    """One query per row and head over a window of the buffer plus one extra key/value of its own.
+
+    q, k_self, v_self: (B, H, Dh). Returns (B, H, Dh). Attention probabilities are kept for the
+    backward (B, H, n+1).
     """
 
     @staticmethod
-    def forward(ctx, q, k_self, v_self, link, tape: _Tape, g: int, lo: int, hi: int, bias, scale: float):
+    def forward(ctx, q, k_self, v_self, link, win: _Window):
+        tape, g, lo, hi, bias, scale = win.tape, win.g, win.lo, win.hi, win.bias, win.scale
         n = hi - lo
         keys = tape.buf[g, 0, :, :, lo:hi]  # (B, H, n, Dh)
         vals = tape.buf[g, 1, :, :, lo:hi]  # (B, H, n, Dh)
@@ -181,7 +194,7 @@ class _Attend(torch.autograd.Function):
             grad[g, 1, :, :, lo:hi].addcmul_(p[..., :n].unsqueeze(-1), g_out.unsqueeze(-2))
         g_link = torch.zeros((), dtype=q.dtype, device=q.device) if ctx.has_link else None
         g_q, g_k_self, g_v_self = (gt.to(dt) for gt, dt in zip((g_q, g_k_self, g_v_self), ctx.in_dtypes))
-        return g_q, g_k_self, g_v_self, g_link, None, None, None, None, None, None
+        return g_q, g_k_self, g_v_self, g_link, None
 
 
 class _Export(torch.autograd.Function):
@@ -372,27 +385,15 @@ class FeedbackLM(PendingTokenLM):
         B, T = tokens.shape
         G, H, d = self.groups, cfg.n_heads, cfg.d_model
         Dh = d // H
-        dev = tokens.device
         run = self.pending_inputs(tokens, state.last, lengths, include_last)  # (B, n_run)
         n_run = run.shape[1]
 
         x0 = embed_tokens(self, run)
         x0 = self.drop(x0)  # (B, n_run, d)
 
-        S, N = state.length, state.length + T  # history columns; all columns after this call
-        # the parameters' precision even under autocast: attention scores and the stored
-        # memory keep full precision
-        tape = _Tape(torch.empty(G, 2, B, H, N, Dh, dtype=self.memory_kv.weight.dtype, device=dev))
+        S = state.length  # history columns
         grad_on = torch.is_grad_enabled()
-        link = None
-        if S:
-            hist = torch.stack([state.keys, state.values])  # (2, B, S, G, d)
-            hist = hist.view(2, B, S, G, H, Dh).permute(3, 0, 1, 4, 2, 5)  # (G, 2, B, H, S, Dh)
-            link = self._write(tape, hist, 0, link, grad_on)
-        bias = None
-        if state.mask is not None:
-            valid = torch.cat([state.mask, torch.ones(B, T, dtype=torch.bool, device=dev)], 1)  # (B, N)
-            bias = torch.zeros(B, 1, N, dtype=tape.buf.dtype, device=dev).masked_fill_(~valid[:, None], float("-inf"))
+        tape, link, bias = self._tape(state, T, tokens.device, grad_on)
 
         defer = grad_on and self.memory_kv.weight.requires_grad
         kv_w, kv_b = self.memory_kv.weight, self.memory_kv.bias
@@ -418,8 +419,8 @@ class FeedbackLM(PendingTokenLM):
             for i, layer in enumerate(self.layers):
                 g = 0 if G == 1 else i
 
-                def attend(q, k, v, g=g, link=link, lo=lo, hi=hi, step_bias=step_bias):
-                    return _Attend.apply(q, k, v, link, tape, g, lo, hi, step_bias, scale)
+                def attend(q, k, v, link=link, win=_Window(tape, g, lo, hi, step_bias, scale)):
+                    return _Attend.apply(q, k, v, link, win)
 
                 x = layer(x, maps[i], attend)
                 outs.append(x)
@@ -430,6 +431,27 @@ class FeedbackLM(PendingTokenLM):
                 link = self._write(tape, kv.permute(1, 2, 0, 3, 4).unsqueeze(4), hi, link, grad_on)  # (G,2,B,H,1,Dh)
         h = self.norm(torch.stack(tops, 1))  # (B, n_run, d)
         return h, self._new_state(tape, link, tokens, state, lengths)
+
+    def _tape(self, state: FeedbackState, T: int, dev: torch.device,
+              grad_on: bool) -> tuple[_Tape, Tensor | None, Tensor | None]:
+        """A buffer for the state's memory and T new entries, the memory written into it, and the additive
+        bias (B, 1, N) of its padded columns (None without padding)."""
+        B, S = state.last.shape[0], state.length
+        G, H, d = self.groups, self.cfg.n_heads, self.cfg.d_model
+        Dh, N = d // H, S + T
+        # the parameters' precision even under autocast: attention scores and the stored
+        # memory keep full precision
+        tape = _Tape(torch.empty(G, 2, B, H, N, Dh, dtype=self.memory_kv.weight.dtype, device=dev))
+        link = None
+        if S:
+            hist = torch.stack([state.keys, state.values])  # (2, B, S, G, d)
+            hist = hist.view(2, B, S, G, H, Dh).permute(3, 0, 1, 4, 2, 5)  # (G, 2, B, H, S, Dh)
+            link = self._write(tape, hist, 0, link, grad_on)
+        bias = None
+        if state.mask is not None:
+            valid = torch.cat([state.mask, torch.ones(B, T, dtype=torch.bool, device=dev)], 1)  # (B, N)
+            bias = torch.zeros(B, 1, N, dtype=tape.buf.dtype, device=dev).masked_fill_(~valid[:, None], float("-inf"))
+        return tape, link, bias
 
     def _new_state(self, tape: _Tape, link: Tensor | None, tokens: Tensor, state: FeedbackState,
                    lengths: Tensor | None) -> FeedbackState:

@@ -22,6 +22,7 @@ import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -150,8 +151,19 @@ class _LazyKbest:
         return arcs[::-1]
 
 
-def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, n: int,
-                max_paths: int = DEFAULT_MAX_PATHS) -> list[tuple[float, np.ndarray, int]]:
+class Dag(NamedTuple):
+    """A DAG for the k-best search, as flat arrays (arc i goes src[i] -> dst[i] at `cost`, -ln)."""
+
+    n_nodes: int
+    src: Sequence
+    dst: Sequence
+    cost: Sequence
+    final_node: Sequence
+    final_cost: Sequence
+    word_key: Sequence
+
+
+def kbest_paths(dag: Dag, n: int, max_paths: int = DEFAULT_MAX_PATHS) -> list[tuple[float, np.ndarray, int]]:
     """The n cheapest distinct word sequences of a DAG, cheapest first: (total cost, the arcs of
     the sequence's cheapest path from node 0 in order, the index into final_node it ends with).
 
@@ -164,11 +176,11 @@ def kbest_paths(n_nodes: int, src, dst, cost, final_node, final_cost, word_key, 
     `max_paths` caps the candidate derivations examined over all nodes. When the cap is hit the
     sequences found so far are returned (they are the true best ones, in order, just fewer than
     n) and a KbestTruncated warning says so; it never returns a wrong sequence or total."""
-    final_node = np.asarray(final_node, dtype=np.int64)
+    final_node = np.asarray(dag.final_node, dtype=np.int64)
     if n < 1 or len(final_node) == 0:
         return []
-    graph = _graph(n_nodes, src, dst, cost, final_node, final_cost, word_key)
-    kb = _LazyKbest(n_nodes, *graph)
+    graph = _graph(dag.n_nodes, dag.src, dag.dst, dag.cost, final_node, dag.final_cost, dag.word_key)
+    kb = _LazyKbest(dag.n_nodes, *graph)
     sink = kb.sink
     for k in range(n):
         if not kb.ensure(sink, k, max_paths):
@@ -213,7 +225,7 @@ def nbest_paths(expanded, w, n: int) -> list[ScoredPath]:
     under weights `w`, best first."""
     x = expanded
     word_key = np.where(x.is_word > 0, x.word, -1)
-    paths = kbest_paths(len(x.node_lat), x.src, x.dst, x.arc_costs(w), x.final_node, x.final_costs(w), word_key, n)
+    paths = kbest_paths(Dag(len(x.node_lat), x.src, x.dst, x.arc_costs(w), x.final_node, x.final_costs(w), word_key), n)
     per_arc = np.stack([x.acoustic, x.graph, x.nn, x.ng, x.is_word, x.oov])  # one gather per path, not six
     per_final = np.stack([x.final_acoustic, x.final_graph, x.final_nn, x.final_ng])
     out = []

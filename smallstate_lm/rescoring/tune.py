@@ -111,6 +111,37 @@ def _smooth(x: np.ndarray) -> np.ndarray:
     return x
 
 
+class _Errors:
+    """Word errors of the lists' best hypotheses at many weight points at once: one stack of components per
+    interpolation weight `lam` (linear interpolation puts the mixed LM in the neural column)."""
+
+    def __init__(self, base: Weights, comps: Sequence[Components], errs, dists):
+        self.base, self.comps, self.errs, self.dists = base, comps, errs, dists
+        self.stacks: dict[float | None, _Stack] = {}
+
+    def _stack(self, lam: float | None) -> _Stack:
+        if lam not in self.stacks:
+            cs = self.comps if lam is None else [dataclasses.replace(c, neural=linear_lm(c, lam), ngram=None)
+                                                 for c in self.comps]
+            self.stacks[lam] = _Stack(cs, self.errs, self.dists)
+        return self.stacks[lam]
+
+    def __call__(self, points: list[dict], mbr_scale: float | None = None) -> np.ndarray:
+        base = self.base
+        scale = base.mbr_scale if mbr_scale is None else mbr_scale
+        if base.interpolation != "linear":
+            return self._stack(None).errors(np.array([weight_vector(dataclasses.replace(base, **p)) for p in points]),
+                                            scale)
+        out = np.empty(len(points))
+        by_lam: dict[float, list[int]] = {}
+        for i, p in enumerate(points):
+            by_lam.setdefault(p.get("lam", base.lam), []).append(i)
+        for lam, idx in by_lam.items():
+            W = np.array([weight_vector(dataclasses.replace(base, **{**points[i], "lam": lam})) for i in idx])
+            out[idx] = self._stack(lam).errors(W, scale)
+        return out
+
+
 def tune(utts: Sequence[Utterance], comps: Sequence[Components], refs: dict[str, list[str]], base: Weights,
          grid: dict[str, list[float]] | None = None, refine: bool = True, mbr: bool = False) -> TuneResult:
     """Grid search, then a finer coordinate search around the best point. With `mbr`,
@@ -119,69 +150,56 @@ def tune(utts: Sequence[Utterance], comps: Sequence[Components], refs: dict[str,
     different LM weight)."""
     grid = checked_grid(base, grid)
     errs, ref_words = hypothesis_errors(utts, refs)
-    baseline = int(sum(e[0] for e in errs))
-    oracle = int(sum(e.min() for e in errs))
-    keys = list(grid)
     base = dataclasses.replace(base, mbr_scale=0.0) if mbr else base
     dists = [mbr_distances(u, c) for u, c in zip(utts, comps)] if mbr or base.mbr_scale > 0 else None
-    stacks: dict[float | None, _Stack] = {}
-
-    def stack(lam: float | None) -> _Stack:
-        if lam not in stacks:
-            # linear: the interpolated LM sits in the neural column; the n-gram column is empty
-            cs = comps if lam is None else [dataclasses.replace(c, neural=linear_lm(c, lam), ngram=None)
-                                             for c in comps]
-            stacks[lam] = _Stack(cs, errs, dists)
-        return stacks[lam]
-
-    def errors_for(points: list[dict], mbr_scale: float | None = None) -> np.ndarray:
-        scale = base.mbr_scale if mbr_scale is None else mbr_scale
-        if base.interpolation != "linear":
-            return stack(None).errors(np.array([weight_vector(dataclasses.replace(base, **p)) for p in points]),
-                                      scale)
-        out = np.empty(len(points))
-        by_lam: dict[float, list[int]] = {}
-        for i, p in enumerate(points):
-            by_lam.setdefault(p.get("lam", base.lam), []).append(i)
-        for lam, idx in by_lam.items():
-            W = np.array([weight_vector(dataclasses.replace(base, **{**points[i], "lam": lam})) for i in idx])
-            out[idx] = stack(lam).errors(W, scale)
-        return out
-
+    errors_for = _Errors(base, comps, errs, dists)
+    keys = list(grid)
     points = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
     e = errors_for(points)
     surface = e.reshape([len(grid[k]) for k in keys])
     score = surface + 1e-3 * _smooth(surface)  # errors first; smoothed errors break ties
-    best_point = points[int(np.argmin(score.reshape(-1)))]
-    best_err = float(e[int(np.argmin(score.reshape(-1)))])
+    best = int(np.argmin(score.reshape(-1)))
+    best_point, best_err = points[best], float(e[best])
     if refine:
-        for k in keys:
-            vals = grid[k]
-            step = (vals[1] - vals[0]) / 4 if len(vals) > 1 else 0
-            if step <= 0 or k == "lam":
-                continue
-            cands = [{**best_point, k: round(best_point[k] + d * step, 6)} for d in (-2, -1, 1, 2)]
-            ce = errors_for(cands)
-            j = int(np.argmin(ce))
-            if ce[j] < best_err:
-                best_point, best_err = cands[j], float(ce[j])
+        best_point, best_err = _refined(errors_for, grid, best_point, best_err)
     mbr_errors = None
     if mbr:
-        me = np.array([errors_for([best_point], m)[0] for m in MBR_GRID])
-        j = int(np.argmin(me + 1e-3 * _smooth(me)))
-        mbr_errors = [(m, int(x)) for m, x in zip(MBR_GRID, me)]
-        if me[j] < best_err:
-            best_err = float(me[j])
-            best_point = {**best_point, "mbr_scale": MBR_GRID[j]}
-            for k in keys:
-                cands = [{**best_point, k: v} for v in grid[k]]
-                ce = errors_for(cands, MBR_GRID[j])
-                i = int(np.argmin(ce))
-                if ce[i] < best_err:
-                    best_point, best_err = cands[i], float(ce[i])
-    w = dataclasses.replace(base, **best_point)
-    return TuneResult(weights=w, errors=int(best_err), ref_words=ref_words, baseline_errors=baseline,
-                      oracle_errors=oracle, grid=grid, surface=surface, mbr_errors=mbr_errors)
+        best_point, best_err, mbr_errors = _with_mbr(errors_for, grid, best_point, best_err)
+    return TuneResult(weights=dataclasses.replace(base, **best_point), errors=int(best_err), ref_words=ref_words,
+                      baseline_errors=int(sum(e[0] for e in errs)), oracle_errors=int(sum(e.min() for e in errs)),
+                      grid=grid, surface=surface, mbr_errors=mbr_errors)
+
+
+def _refined(errors_for: _Errors, grid: dict[str, list[float]], best_point: dict, best_err: float) -> tuple:
+    """A coordinate search at a quarter of each grid step around the best grid point (not over `lam`)."""
+    for k, vals in grid.items():
+        step = (vals[1] - vals[0]) / 4 if len(vals) > 1 else 0
+        if step <= 0 or k == "lam":
+            continue
+        cands = [{**best_point, k: round(best_point[k] + d * step, 6)} for d in (-2, -1, 1, 2)]
+        ce = errors_for(cands)
+        j = int(np.argmin(ce))
+        if ce[j] < best_err:
+            best_point, best_err = cands[j], float(ce[j])
+    return best_point, best_err
+
+
+def _with_mbr(errors_for: _Errors, grid: dict[str, list[float]], best_point: dict, best_err: float) -> tuple:
+    """The MBR scale from MBR_GRID at the best weights, then each weight over its grid under that scale; also
+    the errors at each scale."""
+    me = np.array([errors_for([best_point], m)[0] for m in MBR_GRID])
+    j = int(np.argmin(me + 1e-3 * _smooth(me)))
+    mbr_errors = [(m, int(x)) for m, x in zip(MBR_GRID, me)]
+    if me[j] < best_err:
+        best_err = float(me[j])
+        best_point = {**best_point, "mbr_scale": MBR_GRID[j]}
+        for k in grid:
+            cands = [{**best_point, k: v} for v in grid[k]]
+            ce = errors_for(cands, MBR_GRID[j])
+            i = int(np.argmin(ce))
+            if ce[i] < best_err:
+                best_point, best_err = cands[i], float(ce[i])
+    return best_point, best_err, mbr_errors
 
 
 def surface_text(r: TuneResult) -> str:
