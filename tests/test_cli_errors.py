@@ -225,3 +225,22 @@ def test_serve_with_a_bad_checkpoint_is_one_line(tmp_path):
     bad.write_bytes(b"this is not a checkpoint at all" * 10)
     proc = run_cli("serve", "--lm", bad, "--port", "0", "--device", "cpu", timeout=120)
     assert_clean_error(proc, str(bad), "corrupt")
+
+
+def test_demo_outside_a_checkout_says_it_needs_one(tmp_path, monkeypatch, capsys):
+    """Installed, the package has no models/, data/ or lattices/ beside it: the demo looks in the current
+    directory, and where they are not either it says so in one line, exit 2."""
+    import smallstate_lm.cli.demo as demo_module
+    from smallstate_lm.cli import main
+
+    repo = Path(demo_module.__file__).resolve().parents[2]
+    monkeypatch.setattr(demo_module, "_package_checkout", lambda: tmp_path / "site-packages")
+    monkeypatch.chdir(repo)
+    assert demo_module._bundled("lattices") == repo / "lattices"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "-o", str(tmp_path / "demo")])
+    assert e.value.code == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: the demo needs a checkout of the repository"), lines
+    assert "--model" in lines[0] and not (tmp_path / "demo").exists()

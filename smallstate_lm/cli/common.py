@@ -1,0 +1,71 @@
+"""What several commands share: `--set key=value` parsing, the weights of `--weights`/`--set`, `--threads`,
+notes on stderr, and the options of n-best inputs (rescore and tune read them alike)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import ConfigError
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`key=value` pairs (`--set`); values parsed as JSON when they parse (ints, floats, bools, lists),
+    with Python's spellings True, False and None taken as JSON's."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, val = item.split("=", 1)
+        val = {"True": "true", "False": "false", "None": "null"}.get(val.strip(), val)
+        try:
+            out[key.strip()] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key.strip()] = val
+    return out
+
+
+def set_threads(n: int | None) -> None:
+    if n is not None:
+        if n < 1:
+            raise ConfigError(f"--threads must be >= 1, got {n}")
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def load_weights(path: Optional[Path], overrides: list[str], direct: dict | None = None):
+    """The weights of `--weights` (else the defaults) with `--set` pairs and the options that name one weight
+    (`direct`, None where not given) applied over them."""
+    import dataclasses
+
+    from ..weights import Weights
+
+    w = Weights.load(path) if path else Weights()
+    ov = {**parse_overrides(overrides), **{k: v for k, v in (direct or {}).items() if v is not None}}
+    try:
+        return dataclasses.replace(w, **ov)
+    except TypeError as e:
+        raise ConfigError(f"--set: {e}") from None
+
+
+def note(message: str) -> None:
+    typer.echo(f"note: {message}", err=True)
+
+
+# Options of the n-best inputs, shared by rescore and tune (rescoring/nbest_import.py, docs/nbest-inputs.md).
+NBEST_FORMAT = typer.Option("auto", "--nbest-format", help="N-best inputs: auto (by content and layout), tsv, "
+                            "jsonl, json, espnet (inference dir), nemo (beam-search candidates TSV), kaldi "
+                            "(nbest-to-linear archives): docs/nbest-inputs.md.")
+MANIFEST = typer.Option(None, "--manifest", help="NeMo: the manifest the candidates were decoded from (ids).")
+BEAM_SIZE = typer.Option(None, "--beam-size", help="NeMo: candidates per utterance [default: from the file name, "
+                         "else lines / manifest rows].")
+LM_COSTS = typer.Option(None, "--lm-costs", help="Kaldi n-best: the LM-cost archive [default: lmwt.withlm "
+                        "beside the word archive].")
+AC_COSTS = typer.Option(None, "--ac-costs", help="Kaldi n-best: the acoustic-cost archive [default: acwt beside "
+                        "the word archive].")
+MERGE = typer.Option("logsumexp", "--merge-duplicates", help="N-best hypotheses with the same words: logsumexp "
+                     "(sum their probabilities) or max (keep the best).")

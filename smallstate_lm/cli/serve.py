@@ -1,0 +1,37 @@
+"""`serve`: the HTTP service (service/), its settings from options, environment and `--set`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def serve(
+    lm: Optional[Path] = typer.Option(None, "--lm", help="Neural LM run directory or checkpoint (env SMALLSTATE_LM)."),
+    ngram: Optional[Path] = typer.Option(None, "--ngram", help="KenLM ARPA/binary (env SMALLSTATE_NGRAM)."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="Default weights.json (env SMALLSTATE_WEIGHTS)."),
+    host: Optional[str] = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, "--port", help="TCP port (default 8000)."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N (default auto)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for PyTorch (default: all cores)."),
+    batching: Optional[bool] = typer.Option(None, "--batching/--no-batching", help="Dynamic batching (default on)."),
+    set_: List[str] = typer.Option([], "--set", help="Any other setting key=value, e.g. --set max_wait_ms=10 "
+                                   "(see docs/service.md; env SMALLSTATE_<KEY> works too)."),
+):
+    """Serve rescoring over HTTP (FastAPI + uvicorn): POST /rescore, /score; GET /healthz, /readyz, /metrics."""
+    from ..service import Settings
+    from ..service import serve as run_server
+
+    options = {"lm": str(lm) if lm else None, "ngram": str(ngram) if ngram else None,
+               "weights": str(weights) if weights else None, "host": host, "port": port, "device": device,
+               "threads": threads, "batching": batching}
+    settings = Settings.from_env(assignments=set_, **options)
+    if settings.lm is not None:
+        from ..checkpoint import load_model
+
+        # The app loads the model in its lifespan, where a bad file becomes a uvicorn traceback: load and
+        # self-check it here first (on the CPU, then dropped) so that it is one line and exit status 2.
+        load_model(settings.lm)
+    run_server(settings)

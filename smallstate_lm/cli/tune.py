@@ -1,0 +1,100 @@
+"""`tune`: interpolation weights searched on dev n-best lists or dev lattices (`rescoring/tune_run.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import ConfigError
+from .common import AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, load_weights, note
+
+
+def tune(
+    inputs: Optional[List[Path]] = typer.Argument(None, help="Dev lattices (.fst, .slf[.gz]) or n-best files or "
+                                                  "toolkit output directories (--nbest-format)."),
+    nbest: List[Path] = typer.Option([], "--nbest", help="Dev n-best file or directory (repeatable)."),
+    words: Optional[Path] = typer.Option(None, "--words", help="The decoder's words.txt (OpenFST lattices; Kaldi "
+                                         "n-best word ids)."),
+    nbest_format: str = NBEST_FORMAT,
+    manifest: Optional[Path] = MANIFEST,
+    beam_size: Optional[int] = BEAM_SIZE,
+    lm_costs: Optional[Path] = LM_COSTS,
+    ac_costs: Optional[Path] = AC_COSTS,
+    merge_duplicates: str = MERGE,
+    max_ngram_order: int = typer.Option(4, help="Lattices: history merging order."),
+    exact: bool = typer.Option(False, help="Lattices: full word histories, never merged (still beam-pruned: "
+                               "see rescore --help)."),
+    refs: Path = typer.Option(..., "--refs", help="Dev references `utt w1 w2 ...`."),
+    lm: Optional[Path] = typer.Option(None, "--lm"),
+    ngram: Optional[Path] = typer.Option(None, "--ngram"),
+    out: Path = typer.Option(..., "-o", "--out", help="weights.json to write."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="Starting weights (fixed ones kept)."),
+    set_: List[str] = typer.Option([], "--set", help="Fixed weight key=value, e.g. --set am_scale=0.105."),
+    search: str = typer.Option("lm_weight,ngram_weight,word_penalty", help="Comma-separated weights to tune."),
+    interpolation: Optional[str] = typer.Option(None, help="loglinear or linear (then lam is tuned too) "
+                                                "[default: from --weights/--set, else loglinear]."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of WER against lm_weight (needs matplotlib)."),
+    mbr: bool = typer.Option(False, "--mbr", help="N-best lists: also tune mbr_scale, the posterior scale of "
+                             "minimum-Bayes-risk selection (0 keeps the highest total)."),
+    device: str = typer.Option("auto"),
+    batch_tokens: int = typer.Option(8192),
+    quiet: bool = typer.Option(False),
+):
+    """Tune interpolation weights on a dev set and write the best to a JSON file."""
+    from ..rescoring.lattice_run import split_lattice_inputs
+    from ..rescoring.tune import plot_surface, surface_text
+    from ..rescoring.tune_run import tune_search
+
+    base = load_weights(weights, set_)
+    if interpolation is not None:
+        base = dataclasses.replace(base, interpolation=interpolation)
+    keys = [k.strip() for k in search.split(",") if k.strip()]
+    plan = tune_search(keys, base, lm is not None, ngram is not None, mbr)
+    inputs = list(inputs or [])
+    lattices, others = split_lattice_inputs(inputs) if nbest_format == "auto" else ([], inputs)
+    nbest = list(nbest) + others
+    if bool(nbest) == bool(lattices):
+        raise ConfigError("give dev n-best lists or dev lattices to tune on, one of the two")
+    if lattices:
+        if mbr:
+            raise ConfigError("--mbr tunes the choice among n-best hypotheses; lattices are rescored by their "
+                              "best path, so tune them without it")
+        from ..rescoring.lattice_expand import ExpandConfig
+        from ..rescoring.lattice_run import LatticeRun
+        from ..rescoring.tune_run import tune_lattice_files
+
+        run = LatticeRun(words, lm, ngram, expand=ExpandConfig(max_ngram_order=None if exact else max_ngram_order),
+                         device=device, progress=not quiet)
+        r, n = tune_lattice_files(lattices, run, refs, plan)
+        typer.echo(surface_text(r))
+        typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
+                   f"({n} lattices, {r.ref_words} reference words)")
+        _save(r, n, out)
+        return
+    from ..rescoring.nbest_import import ImportOptions
+    from ..rescoring.nbest_run import NBestScoring
+    from ..rescoring.tune_run import tune_nbest_files
+
+    opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
+    scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet)
+    r, n = tune_nbest_files(nbest, opts, scoring, refs, plan, note)
+    typer.echo(surface_text(r))
+    if r.mbr_errors is not None:
+        typer.echo("WER% vs mbr_scale (other weights before the MBR pass): " + "  ".join(
+            f"{m:g}:{100 * e / r.ref_words:.2f}" for m, e in r.mbr_errors))
+    typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  oracle WER "
+               f"{100 * r.oracle_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
+               f"({n} utterances, {r.ref_words} reference words)")
+    _save(r, n, out)
+    if plot is not None:
+        typer.echo(f"plot -> {plot}" if plot_surface(r, str(plot)) else "no plot: matplotlib is not installed")
+
+
+def _save(r, dev_inputs: int, out: Path) -> None:
+    r.weights.save(out, {"dev_wer": r.wer, "dev_utterances": dev_inputs,
+                         "dev_first_pass_wer": r.baseline_errors / r.ref_words})
+    typer.echo(f"weights -> {out}: " + json.dumps(dataclasses.asdict(r.weights)))
