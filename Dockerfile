@@ -11,7 +11,7 @@
 # image name, or SMALLSTATE_* variables (docs/service.md). `make docker-smoke` builds and checks it.
 ARG BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
-# ---- build: KenLM from the kenlm source archive on PyPI, our compiled loops, the package installed under /pkg
+# ---- build: KenLM from the kenlm source archive on PyPI, then the package installed under /pkg
 FROM ${BASE} AS build
 ARG BASE
 # Build arguments are environment variables of RUN and stay out of the image: pip may install beside a
