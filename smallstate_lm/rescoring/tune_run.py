@@ -17,7 +17,7 @@ from .nbest_io import read_text
 from .nbest_run import NBestScoring, score_nbest
 from .tune import DEFAULT_GRID, LAM_GRID, TuneResult, tune, tune_lattices
 
-# the grid of a searched weight that has none in DEFAULT_GRID (other than lam): 0 to 2 by 0.1
+# a searched weight DEFAULT_GRID has no grid for (am_scale, graph_scale, oov_penalty) gets the LM weights' range
 _OTHER_GRID = [round(x * 0.1, 3) for x in range(0, 21)]
 
 
