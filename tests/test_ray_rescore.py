@@ -21,7 +21,7 @@ from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer
 from smallstate_lm.rescoring.lattice_files import rescore_lattice_files  # noqa: E402
 from smallstate_lm.rescoring.lattice_io import read_fst  # noqa: E402
 from smallstate_lm.rescoring.nbest_io import read_text  # noqa: E402
-from smallstate_lm.rescoring.ray_runner import rescore_lattice_files_ray  # noqa: E402
+from smallstate_lm.rescoring.ray_runner import RayCluster, rescore_lattice_files_ray  # noqa: E402
 from smallstate_lm.scoring import Weights  # noqa: E402
 
 # Starting Ray, its actors and the CLI subprocesses takes seconds each; a stuck cluster
@@ -128,7 +128,7 @@ def test_other_batches_on_two_actors_agree_up_to_float_rounding(tmp_path, ray_ad
     paths = _lattices()
     _local_run(tmp_path / "local", tiny_lm_dir, kenlm_model, paths)
     rescore_lattice_files_ray(paths, _job(tiny_lm_dir, kenlm_model), tmp_path / "ray", read_text(LAT_DIR / "ref.txt"),
-                              max_actors=2, batch_size=1, progress=False)
+                              cluster=RayCluster(max_actors=2, batch_size=1), progress=False)
     assert_same_outputs(tmp_path / "local", tmp_path / "ray", same_batches=False)
 
 

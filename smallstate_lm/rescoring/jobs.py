@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..lms import load_lms
 from ..weights import Weights
 from .lattice_expand import ExpandConfig, LatticeRescorer, build_rescorer
+from .lattice_files import CtmOptions
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,8 @@ class RescoreJob:
     """What a worker needs to rescore lattices, by absolute path (a worker may run in another directory,
     or on another node of a shared filesystem): the decoder's words.txt (None for HTK SLF lattices), a
     neural LM run directory or checkpoint and/or a KenLM file, weights and expansion settings, the number
-    of distinct word sequences to keep per lattice, and whether to keep the rescored lattices."""
+    of distinct word sequences to keep per lattice, whether to keep the rescored lattices, the CTM's options
+    (None: no CTM) and whether rescored Kaldi archives are written as text."""
 
     words: str | None
     lm: str | None
@@ -26,6 +28,8 @@ class RescoreJob:
     config: ExpandConfig
     nbest: int = 10
     write_lattices: bool = True
+    ctm: CtmOptions | None = None
+    archive_text: bool = False
 
     def __post_init__(self):
         if self.lm is None and self.ngram is None:

@@ -100,8 +100,9 @@ def _worker_job(run: LatticeRun):
     from .jobs import RescoreJob
 
     words, lm, ngram = (str(p.resolve()) if p else None for p in (run.words, run.lm, run.ngram))
-    return RescoreJob(words, lm, ngram, weights=run.weights, config=run.expand, nbest=run.outputs.nbest,
-                      write_lattices=run.outputs.write_lattices)
+    o = run.outputs
+    return RescoreJob(words, lm, ngram, weights=run.weights, config=run.expand, nbest=o.nbest,
+                      write_lattices=o.write_lattices, ctm=o.ctm, archive_text=o.archive_text)
 
 
 def _on_local_pool(sources, run: LatticeRun, symbols, out, refs, on_error) -> LatticeRunSummary:
@@ -110,17 +111,15 @@ def _on_local_pool(sources, run: LatticeRun, symbols, out, refs, on_error) -> La
     job = _worker_job(run)
     if run.device not in ("auto", "cpu"):
         raise ConfigError(f"--jobs runs CPU workers; with --device {run.device} use one process per GPU (or --ray)")
-    o = run.outputs
-    return rescore_lattice_files_pool(sources, job, run.jobs, out, refs, run.progress, on_error, o.ctm,
-                                      o.archive_text, symbols)
+    return rescore_lattice_files_pool(sources, job, run.jobs, out, refs, run.progress, on_error, symbols)
 
 
 def _on_ray(sources, run: LatticeRun, out, refs, on_error) -> LatticeRunSummary:
-    from .ray_runner import rescore_lattice_files_ray
+    from .ray_runner import RayCluster, rescore_lattice_files_ray
 
     job = _worker_job(run)
     if run.outputs.ctm is not None or any(s.many for s in sources):
         raise ConfigError("--ray rescores single lattice files (.fst, SLF) without --ctm; rescore Kaldi "
                           "archives and write CTMs without --ray")
-    return rescore_lattice_files_ray(sources, job, out, refs, run.ray, run.device, run.ray_actors,
-                                     progress=run.progress, on_error=on_error)
+    return rescore_lattice_files_ray(sources, job, out, refs, RayCluster(run.ray, run.device, run.ray_actors),
+                                     run.progress, on_error)

@@ -23,7 +23,6 @@ from typing import Callable, Sequence
 from ..errors import ConfigError, SmallstateError
 from .lattice import SymbolTable
 from .lattice_files import (
-    CtmOptions,
     LatticeOutputs,
     LatticeRunSummary,
     check_archive_outputs,
@@ -36,7 +35,7 @@ _worker: tuple | None = None  # (symbols, rescorer, job, ctm) of this worker pro
 _start_error: BaseException | None = None  # why this worker could not load: raised by its first task
 
 
-def _start(job, ctm: CtmOptions | None, cwd: str, threads: int | None, symbols: SymbolTable | None) -> None:
+def _start(job, cwd: str, threads: int | None, symbols: SymbolTable | None) -> None:
     global _worker, _start_error
     from .jobs import load_rescorer
 
@@ -48,7 +47,7 @@ def _start(job, ctm: CtmOptions | None, cwd: str, threads: int | None, symbols: 
             torch.set_num_threads(threads)
         if symbols is None and job.words is not None:
             symbols = SymbolTable.read(job.words)
-        _worker = (symbols, load_rescorer(job, "cpu"), job, ctm)
+        _worker = (symbols, load_rescorer(job, "cpu"), job, job.ctm)
     except SmallstateError as e:  # a bad model file: the user's error, sent back with the first task
         _start_error = e
 
@@ -83,10 +82,11 @@ def _tasks(paths: Sequence[str], per_task: int) -> list[list[str]]:
 
 def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out: Path,
                                refs: dict[str, list[str]] | None = None, progress: bool = True,
-                               on_error: Callable[[Path, str], None] | None = None, ctm: CtmOptions | None = None,
-                               archive_text: bool = False, symbols: SymbolTable | None = None) -> LatticeRunSummary:
-    """`rescore_lattice_files` on `jobs` local worker processes (CPU only): same outputs, same reports.
-    `symbols`, when the caller has read `job.words` already, go to the workers (a forked one shares them)."""
+                               on_error: Callable[[Path, str], None] | None = None,
+                               symbols: SymbolTable | None = None) -> LatticeRunSummary:
+    """`rescore_lattice_files` on `jobs` local worker processes (CPU only) for a `RescoreJob`: same outputs,
+    same reports. `symbols`, when the caller has read `job.words` already, go to the workers (a forked one
+    shares them)."""
     if jobs < 2:
         raise ConfigError(f"a worker pool needs --jobs >= 2, got {jobs}")
     specs = [str(p) for p in paths]
@@ -94,12 +94,12 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
     per_task = job.config.lattices_per_batch(job.lm is not None)
     tasks = _tasks(specs, min(per_task, -(-len(specs) // (2 * jobs))))  # two tasks per worker at least
     single = specs if all(is_single_lattice_file(p) for p in specs) else None  # the progress bar's total, when known
-    outputs = LatticeOutputs(single, out, refs, job.write_lattices, progress, on_error, ctm, archive_text)
+    outputs = LatticeOutputs(single, out, refs, job.write_lattices, progress, on_error, job.ctm, job.archive_text)
     threads = max(1, (os.cpu_count() or 1) // jobs) if job.lm is not None else None
     method = "spawn" if "torch" in sys.modules else "fork"
     index, lm_calls = 0, 0
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)) or 1, mp_context=multiprocessing.get_context(method),
-                               initializer=_start, initargs=(job, ctm, os.getcwd(), threads, symbols))
+                               initializer=_start, initargs=(job, os.getcwd(), threads, symbols))
     try:
         for blobs, calls in pool.map(_run, tasks):
             lm_calls += calls

@@ -27,6 +27,7 @@ import math
 import os
 import pickle
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -117,77 +118,99 @@ def _remote_error(e: BaseException) -> SmallstateError | None:
     return None
 
 
-def rescore_lattice_files_ray(paths: Sequence[Path], job: RescoreJob, out: Path,
-                              refs: dict[str, list[str]] | None = None, address: str = "local", device: str = "auto",
-                              max_actors: int | None = None, batch_size: int | None = None, progress: bool = True,
-                              on_error: Callable[[Path, str], None] | None = None) -> LatticeRunSummary:
-    """Rescore lattice files on a Ray cluster and write the local run's outputs to `out`.
+@dataclass(frozen=True)
+class RayCluster:
+    """Where and how a run uses Ray. `address`: `local` starts a Ray instance on this machine for the run
+    (and stops it after); anything else goes to `ray.init(address=...)`: `auto`, `HOST:PORT` or
+    `ray://HOST:PORT`; an already initialised Ray is used as it is. `device`: `auto` uses one GPU per actor
+    when the cluster has GPUs, else one CPU; `cpu` forces CPUs; `cuda` requires GPUs. `max_actors`: the
+    most actors at once [default: the cluster's GPUs, or CPUs]. `batch_size`: lattices per batch
+    [default: `job.config.lattices_per_batch`]."""
 
-    `address`: `local` starts a Ray instance on this machine for the run (and stops it
-    after); anything else goes to `ray.init(address=...)`: `auto`, `HOST:PORT` or
-    `ray://HOST:PORT`. An already initialised Ray is used as it is. `device`: `auto`
-    uses one GPU per actor when the cluster has GPUs, else one CPU; `cpu` forces
-    CPUs; `cuda` requires GPUs. `max_actors`: the most actors at once [default: the
-    cluster's GPUs, or CPUs]. `batch_size`: lattices per batch [default:
-    `job.config.lattices_per_batch`]. A file that fails is reported through
-    `on_error(path, message)` and skipped, as in `lattice_files.rescore_lattice_files`.
-    """
+    address: str = "local"
+    device: str = "auto"
+    max_actors: int | None = None
+    batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.max_actors is not None and self.max_actors < 1:
+            raise ConfigError(f"the number of Ray actors must be >= 1, got {self.max_actors}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"the Ray batch size must be >= 1, got {self.batch_size}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda on Ray, got {self.device!r}")
+
+
+def rescore_lattice_files_ray(paths: Sequence[Path], job: RescoreJob, out: Path,
+                              refs: dict[str, list[str]] | None = None, cluster: RayCluster = RayCluster(),
+                              progress: bool = True,
+                              on_error: Callable[[Path, str], None] | None = None) -> LatticeRunSummary:
+    """Rescore lattice files on a Ray cluster (`cluster`) and write the local run's outputs to `out`. A file
+    that fails is reported through `on_error(path, message)` and skipped, as in
+    `lattice_files.rescore_lattice_files`."""
     try:
         import ray
         import ray.data
     except ImportError:
         raise ConfigError("rescoring on Ray needs Ray Data: pip install 'ray[data]'") from None
-    if max_actors is not None and max_actors < 1:
-        raise ConfigError(f"the number of Ray actors must be >= 1, got {max_actors}")
-    if batch_size is not None and batch_size < 1:
-        raise ConfigError(f"the Ray batch size must be >= 1, got {batch_size}")
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        raise ConfigError(f"device must be auto, cpu or cuda on Ray, got {device!r}")
     paths = [Path(p) for p in paths]
     if not paths:
         return LatticeOutputs(paths, out, refs, job.write_lattices, progress, on_error).finish()
-    started = _connect(address)
+    started = _connect(cluster.address)
     ray_data_log = logging.getLogger("ray.data")
     log_level = ray_data_log.level
     outputs = None
     try:
-        resources = ray.cluster_resources()
-        gpus = int(resources.get("GPU", 0))
-        if device.startswith("cuda") and gpus == 0:
-            raise ConfigError(f"device {device!r} requested but the Ray cluster has no GPUs")
-        use_gpu = gpus > 0 and device != "cpu"
-        batch = batch_size or job.config.lattices_per_batch(job.lm is not None)
-        n_batches = math.ceil(len(paths) / batch)
-        actors = min(max_actors or (gpus if use_gpu else max(1, int(resources.get("CPU", 1)))), n_batches)
-        ray.data.DataContext.get_current().enable_progress_bars = False  # the driver's own bar counts lattices
         if not progress:
             ray_data_log.setLevel(logging.ERROR)
-        items = [{"index": i, "path": str(p), "abspath": str(p.resolve())} for i, p in enumerate(paths)]
-        # One block per batch keeps the batches in input order, as the local run forms them.
-        ds = ray.data.from_items(items, override_num_blocks=n_batches)
-        ds = ds.map_batches(LatticeWorker, fn_constructor_args=(job, "cuda" if use_gpu else "cpu", os.getcwd()),
-                            batch_size=batch, batch_format="numpy",
-                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
-                            num_cpus=1, num_gpus=1 if use_gpu else 0)
+        ds = _dataset(paths, job, cluster)
         outputs = LatticeOutputs(paths, out, refs, job.write_lattices, progress, on_error)
-        lm_calls = 0
-        try:
-            for rows in ds.iter_batches(batch_size=None, batch_format="numpy"):
-                lm_calls += int(rows["lm_calls"].sum())
-                for i, blob in zip(rows["index"].tolist(), rows["result"]):
-                    r = pickle.loads(blob)
-                    r.path = str(paths[i])  # the user's spelling, whichever path the worker read
-                    outputs.add(r)
-        except BaseException as e:
-            outputs.abort()  # stop writing: the files not begun are dropped, as in the local run
-            inner = _remote_error(e) if isinstance(e, Exception) else None
-            if inner is not None:
-                raise inner from None
-            raise
-        return outputs.finish(lm_calls)
+        return _collect(ds, paths, outputs)
     finally:
         if outputs is not None:
             outputs.bar.close()  # before any error message, not at exit
         ray_data_log.setLevel(log_level)
         if started:
             ray.shutdown()
+
+
+def _dataset(paths: list[Path], job: RescoreJob, cluster: RayCluster):
+    """The lattice paths as a Ray dataset mapped, a batch at a time, by a pool of `LatticeWorker` actors."""
+    import ray
+    import ray.data
+
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    if cluster.device.startswith("cuda") and gpus == 0:
+        raise ConfigError(f"device {cluster.device!r} requested but the Ray cluster has no GPUs")
+    use_gpu = gpus > 0 and cluster.device != "cpu"
+    batch = cluster.batch_size or job.config.lattices_per_batch(job.lm is not None)
+    n_batches = math.ceil(len(paths) / batch)
+    actors = min(cluster.max_actors or (gpus if use_gpu else max(1, int(resources.get("CPU", 1)))), n_batches)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver's own bar counts lattices
+    items = [{"index": i, "path": str(p), "abspath": str(p.resolve())} for i, p in enumerate(paths)]
+    # One block per batch keeps the batches in input order, as the local run forms them.
+    ds = ray.data.from_items(items, override_num_blocks=n_batches)
+    return ds.map_batches(LatticeWorker, fn_constructor_args=(job, "cuda" if use_gpu else "cpu", os.getcwd()),
+                          batch_size=batch, batch_format="numpy",
+                          compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
+                          num_cpus=1, num_gpus=1 if use_gpu else 0)
+
+
+def _collect(ds, paths: list[Path], outputs: LatticeOutputs) -> LatticeRunSummary:
+    """The workers' results added to `outputs` as they come; a user's error inside Ray's raised as itself."""
+    lm_calls = 0
+    try:
+        for rows in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            lm_calls += int(rows["lm_calls"].sum())
+            for i, blob in zip(rows["index"].tolist(), rows["result"]):
+                r = pickle.loads(blob)
+                r.path = str(paths[i])  # the user's spelling, whichever path the worker read
+                outputs.add(r)
+    except BaseException as e:
+        outputs.abort()  # stop writing: the files not begun are dropped, as in the local run
+        inner = _remote_error(e) if isinstance(e, Exception) else None
+        if inner is not None:
+            raise inner from None
+        raise
+    return outputs.finish(lm_calls)
