@@ -207,8 +207,10 @@ bad_start() {
   timeout 180 docker run --rm --name "$NAME-bad" "$@" >"$TMP/bad.log" 2>&1 || rc=$?
   [ "$rc" -ne 0 ] || fail "$what: the service started (exit 0)"
   [ "$rc" -ne 124 ] || fail "$what: still running after 180 s"
-  line="$(grep -E '^(error:|Error:|ERROR:)' "$TMP/bad.log" | grep -E "$pattern" | tail -n 1 || true)"
-  [ -n "$line" ] || { tail -n 15 "$TMP/bad.log" >&2; fail "$what: no line matching /$pattern/ (output above)"; }
+  # one line, ours: `error: ...` naming what is wrong (no usage text, no log lines, no traceback)
+  line="$(grep -v '^[[:space:]]*$' "$TMP/bad.log" || true)"
+  [ "$(printf '%s\n' "$line" | wc -l)" -eq 1 ] && printf '%s' "$line" | grep -qE "^error: .*$pattern" \
+    || { tail -n 15 "$TMP/bad.log" >&2; fail "$what: not one line 'error: ...$pattern...' (output above)"; }
   log "  $what: exit $rc: ${line:0:200}"
 }
 bad_inputs() {
@@ -221,7 +223,7 @@ bad_inputs() {
   bad_start "unreadable n-gram" "ngram.bin" -e SMALLSTATE_LM= -v "$TMP/unreadable.bin:/models/ngram.bin:ro" \
     "$IMAGE" --ngram /models/ngram.bin
   # a second service in the first one's network namespace: its port 8000 is taken
-  bad_start "port in use" "address already in use" --network "container:$NAME" -v "$MODEL:/models/lm:ro" "$IMAGE"
+  bad_start "port in use" "--port 8000.*cannot listen there" --network "container:$NAME" -v "$MODEL:/models/lm:ro" "$IMAGE"
 }
 
 stop() {

@@ -1,5 +1,6 @@
 """Bad input gives one line on stderr, a non-zero exit and no run directory that looks valid."""
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,17 @@ def test_serve_with_a_bad_checkpoint_is_one_line(tmp_path):
     bad.write_bytes(b"this is not a checkpoint at all" * 10)
     proc = run_cli("serve", "--lm", bad, "--port", "0", "--device", "cpu", timeout=120)
     assert_clean_error(proc, str(bad), "corrupt")
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path, tiny_lm_dir):
+    """A second replica on a taken port: refused at once (the model would take a minute to load first)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("serve", "--lm", tiny_lm_dir, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                       timeout=120)
+    assert_clean_error(proc, f"--port {port}", "cannot listen there")
 
 
 def test_demo_outside_a_checkout_says_it_needs_one(tmp_path, monkeypatch, capsys):
