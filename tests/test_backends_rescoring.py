@@ -50,6 +50,7 @@ def test_nbest_scores_equal_each_sentence_alone(name, vocab, tmp_path):
             assert abs(padded[g][j].sum() - float(alone.sum())) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PER_ARCH)
 def test_cli_and_service_rescore_with_each_family(name, vocab, kenlm_model, tmp_path):
     run = tmp_path / "run"

@@ -35,6 +35,7 @@ def _valid(run: Path) -> list[float]:
     ["--preset", "pconv-small", "--stream", "--max-len", "16", "--set", "d_model=32", "--set", "d_ff=64",
      "--set", "n_layers=2", "--set", "conv_kernel=4"],
 ], ids=["sentences", "stream-xl", "stream-pconv"])
+@pytest.mark.slow
 def test_two_processes_equal_one_at_the_same_global_batch(tmp_path, small_corpus, extra):
     train, valid = small_corpus
     args = ["--train", str(train), "--valid", str(valid), *extra, "--set", "dropout=0",

@@ -47,6 +47,7 @@ def test_the_shipped_model_is_small_and_loads_like_a_run_directory(documented):
     assert not lm.model.training
 
 
+@pytest.mark.slow
 def test_the_shipped_model_rescores_and_serves(kenlm_model, tmp_path):
     """`rescore --lm models/bible-small` on bundled lattices, and `serve` with it: the
     service's sentence log-prob equals the CLI's eval of the same sentence."""
@@ -72,6 +73,7 @@ def test_the_shipped_model_rescores_and_serves(kenlm_model, tmp_path):
     assert r.json()["sentences"][0]["neural"]["logprob"] == pytest.approx(want, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_demo_prints_first_pass_ngram_alone_and_neural_plus_ngram(tmp_path):
     from conftest import run_cli
 

@@ -82,6 +82,7 @@ def test_quantize_keeps_ties_and_stays_within_half_a_step():
             assert ((back[k].float() - t).abs() <= step / 2 + 1e-3 * step + 1e-4).all(), k
 
 
+@pytest.mark.slow
 def test_trained_family_travels_as_int8_and_scores_alike(small_corpus, tmp_path):
     train, valid = small_corpus
     runs = tmp_path / "runs"
