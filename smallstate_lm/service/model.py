@@ -14,6 +14,7 @@ import torch
 
 from smallstate_lm.device import pick_device
 from smallstate_lm.errors import ConfigError
+from smallstate_lm.lms import load_lms
 from smallstate_lm.rescoring.lattice import LatticeWarning
 from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer, build_rescorer
 from smallstate_lm.scoring import NeuralScorer, Weights, oov_reference
@@ -55,9 +56,6 @@ class Models:
         self._rescorer_load = 0  # lattice arcs and expanded arcs its tables have seen
 
     def load(self) -> None:
-        from smallstate_lm.checkpoint import load_model
-        from smallstate_lm.ngram import NgramLM
-
         s = self.s
         # Repaired lattices (dead states dropped) are normal input for a service, not news.
         warnings.filterwarnings("ignore", category=LatticeWarning)
@@ -71,15 +69,13 @@ class Models:
         self.expand_config = ExpandConfig(max_ngram_order=None if s.exact else s.max_ngram_order, beam=s.beam,
                                           max_per_state=s.max_per_state, max_states=s.max_states,
                                           max_level_bytes=s.max_level_bytes)
-        if s.lm is not None:
-            # load_model self-checks on this device (finite log-probs of a fixed sentence): a model that fails
-            # raises CheckpointError here, and the service never becomes ready
-            self.loaded = load_model(s.lm, self.device)
+        # the neural LM self-checks on this device as it loads (finite log-probs of a fixed sentence): a model
+        # that fails raises CheckpointError here, and the service never becomes ready
+        self.loaded, self.ngram = load_lms(s.lm, s.ngram, self.device, required=False)
+        if self.loaded is not None:
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
                                        s.share_prefixes)
-        if s.ngram is not None:
-            self.ngram = NgramLM(s.ngram)
         with torch.inference_mode():
             self.cost = calibrate(self.neural, self.ngram)
         log.info("cost model on %s: %s", self.device, self.cost)
