@@ -237,7 +237,11 @@ def assert_sigterm_answers_and_exits(srv: Server, heavy_body: dict, grace: float
     on_worker(srv)
     with ThreadPoolExecutor(smalls) as ex:
         small = [ex.submit(post, srv, "/rescore", {"utterances": [utt()]}) for _ in range(smalls)]
-        time.sleep(0.2)
+        # each small one answered or in the server's hands: one that had not connected yet when the listener
+        # closes is refused by TCP, which is right, but not what this checks
+        wait_until(lambda: sum(f.done() for f in small) + _metric(metrics(srv), "smallstate_requests_in_progress",
+                                                                 route="/rescore") - 1 >= smalls,
+                   what="the small requests to arrive")
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         status, body = read_response(heavy, 60)
