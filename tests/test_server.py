@@ -82,12 +82,17 @@ class Server:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def server(tiny_lm_dir, kenlm_model, tmp_path_factory):
-    s = Server(tiny_lm_dir, kenlm_model, "drain_seconds=0", log=tmp_path_factory.mktemp("srv") / "server.log")
+def served(tiny_lm_dir, kenlm_model, tmp_path_factory, name: str = "srv"):
+    """A module's server at the default limits; on teardown it must exit 0 and have logged no traceback."""
+    s = Server(tiny_lm_dir, kenlm_model, "drain_seconds=0", log=tmp_path_factory.mktemp(name) / "server.log")
     yield s
     assert s.stop() == 0, s.log.read_text()
     assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_lm_dir, kenlm_model, tmp_path_factory):
+    yield from served(tiny_lm_dir, kenlm_model, tmp_path_factory)
 
 
 def post(server: Server, route: str, body, headers=None) -> httpx.Response:

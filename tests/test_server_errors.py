@@ -9,16 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server import LAT_DIR, Server, _check, fst_utterance, hyp, post, utt
+from test_server import LAT_DIR, Server, _check, fst_utterance, hyp, post, served, utt
 
 
 @pytest.fixture(scope="module")
 def server(tiny_lm_dir, kenlm_model, tmp_path_factory):
     """The service at its default limits, for the malformed and invalid requests."""
-    s = Server(tiny_lm_dir, kenlm_model, "drain_seconds=0", log=tmp_path_factory.mktemp("errors") / "server.log")
-    yield s
-    assert s.stop() == 0, s.log.read_text()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+    yield from served(tiny_lm_dir, kenlm_model, tmp_path_factory, "errors")
 
 
 # Limits small enough to reach with tiny requests, an API key, and a queue that fills.
