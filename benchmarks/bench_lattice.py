@@ -240,7 +240,7 @@ def breakdown(args) -> None:
     clock = _Clock()
     rescorer = LatticeRescorer(w, lm.model, lm.vocab, ngram, ExpandConfig(max_ngram_order=args.order), args.device)
     rescorer._lm_call = clock.wrap("LM forward (incl. gathering states)", rescorer._lm_call)
-    rescorer.ngram_steps = clock.wrap("n-gram (KenLM)", rescorer.ngram_steps)
+    rescorer.cache.ngram_steps = clock.wrap("n-gram (KenLM)", rescorer.cache.ngram_steps)
     t0 = time.perf_counter()
     lats = [clock.wrap("read", read_lattice)(f, symbols) for f in files]
     expand = clock.wrap("expansion bookkeeping", lambda: list(rescorer.expand_many(lats)))

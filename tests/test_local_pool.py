@@ -5,7 +5,7 @@ from pathlib import Path
 
 from conftest import run_cli
 
-from smallstate_lm.rescoring.kaldi_archive import KaldiArchiveWriter
+from smallstate_lm.rescoring.kaldi_write import KaldiArchiveWriter
 from smallstate_lm.rescoring.lattice import SymbolTable
 from smallstate_lm.rescoring.lattice_io import read_fst
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-
-from ..errors import ConfigError
 
 
 def serve(
@@ -36,36 +32,4 @@ def serve(
                "weights": str(weights) if weights else None, "host": host, "port": port, "device": device,
                "threads": threads, "batching": batching}
     settings = Settings.from_env(assignments=set_, **options)
-    _check_readable(settings)
-    _check_port(settings.host, settings.port)
-    if settings.lm is not None:
-        from ..checkpoint import load_model
-
-        # The app loads the model in its lifespan, where a bad file becomes a uvicorn traceback: load and
-        # self-check it here first (on the CPU, then dropped) so that it is one line and exit status 2.
-        load_model(settings.lm)
     run_server(settings)
-
-
-def _check_readable(settings) -> None:
-    """The files the settings name, readable by this process (a container's user may not be their owner)."""
-    for key in ("lm", "ngram", "weights"):
-        path = getattr(settings, key)
-        if path is None or os.path.isdir(path):
-            continue
-        try:
-            with open(path, "rb") as f:
-                f.read(1)
-        except OSError as e:
-            raise ConfigError(f"--{key} {path}: cannot be read ({e.strerror or e})") from None
-
-
-def _check_port(host: str, port: int) -> None:
-    """The port free before the model loads (a minute on a large model), not found taken after it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise ConfigError(f"--port {port} on {host}: cannot listen there ({e.strerror or e})") from None

@@ -14,6 +14,7 @@ module holds the rescorer, its LM calls and the schedule that feeds lattices thr
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -92,9 +93,13 @@ class LatticeRescorer:
         self.rows_per_call: Callable[[int], int] | None = None
         self.cache = LmCache(ngram, self.cfg.max_ngram_order)
 
-    def ngram_steps(self, states: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`LmCache.ngram_steps`, called through the rescorer so that `bench_lattice --breakdown` can time it."""
-        return self.cache.ngram_steps(states, words)
+    def with_weights(self, w: Weights) -> LatticeRescorer:
+        """This rescorer under other weights, sharing its cache: no weight enters the interned words, history
+        keys, n-gram states or KenLM's answers, while the weights are read all along an expansion, so each
+        caller whose weights differ (the service's batches, which take turns) expands with its own copy."""
+        other = copy.copy(self)
+        other.w = w
+        return other
 
     def level_budget(self) -> LevelBudget | None:
         """The bound on a level's new neural LM state (None: no neural LM, or no bound)."""
@@ -269,7 +274,7 @@ class _Schedule:
     def _scores(self, q: Queries, nn: np.ndarray | None, new_at) -> Scores:
         """The level's answers: the neural ones computed, the n-gram's and the history keys looked up."""
         n = len(q.token)
-        ng, ng_next = self.r.ngram_steps(q.ng, q.gword)
+        ng, ng_next = self.r.cache.ngram_steps(q.ng, q.gword)
         key_next = self.r.cache.child_keys(q.key, q.word, q.gword)
         obj, row = new_at if new_at is not None else (np.full(n, -1, dtype=np.int64),) * 2
         return Scores(nn=nn if nn is not None else np.zeros(n), ng=ng, ng_next=ng_next, key_next=key_next,

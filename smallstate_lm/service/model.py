@@ -4,7 +4,6 @@ serves every batch the server runs."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -87,19 +86,14 @@ class Models:
         return oov_reference(self.neural.vocab if self.neural is not None else None, self.ngram)
 
     def rescorer(self, weights: Weights, arcs: int) -> LatticeRescorer:
-        """A lattice rescorer for `weights`, about to expand lattices of `arcs` arcs in all. Its history keys and
-        n-gram answers depend on the models and the expansion settings only, never on the weights, so every
-        batch shares one set of them (KenLM is asked about a (state, word) once, not once per batch); the
-        weights, read all along the expansion, are the copy's own, as batches of different weights take turns
-        on the worker."""
+        """A lattice rescorer for `weights`, about to expand lattices of `arcs` arcs in all: every batch shares one
+        cache (KenLM is asked about a (state, word) once, not once per batch), each with its own weights."""
         if self._rescorer is None or self._rescorer_load > RESCORER_BUDGET:
             self._rescorer = build_rescorer(self.weights, self.loaded, self.ngram, self.expand_config, self.device)
             self._rescorer.rows_per_call = lambda step: self.cost.rows_per_call(step + 2, self.step_s)
             self._rescorer_load = 0
         self._rescorer_load += arcs
-        rescorer = copy.copy(self._rescorer)  # shallow: the tables stay shared
-        rescorer.w = weights
-        return rescorer
+        return self._rescorer.with_weights(weights)
 
     def expanded(self, arcs: int) -> None:
         """The rescorer's expansions made `arcs` arcs (their steps fill its tables)."""

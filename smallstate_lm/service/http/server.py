@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -32,10 +33,7 @@ def serve(settings: Settings) -> None:
     `drain_seconds`, then the listener closes, in-flight requests finish or get 503 within
     `graceful_timeout_s`, the model is released and the process exits with status 0. A model
     that fails to load or its self-check: no port is opened, ConfigError."""
-    for key in ("lm", "ngram", "weights"):
-        path = getattr(settings, key)
-        if path is not None and not os.path.exists(path):
-            raise ConfigError(f"--{key} {path}: no such file or directory")
+    _preflight(settings)
     logger = logging.getLogger("smallstate_lm")
     if not logger.handlers:  # uvicorn configures its own loggers only
         handler = logging.StreamHandler()
@@ -64,6 +62,34 @@ def serve(settings: Settings) -> None:
         raise ConfigError(f"the service refused to become ready: {svc.failed}")
     if not server.started:
         raise ConfigError("the service did not start (see the log above)")
+
+
+def _preflight(settings: Settings) -> None:
+    """What would otherwise fail late or as a uvicorn traceback, refused first in one line: a file the settings
+    name that this process cannot read (a container's user may not own it), a port already taken (found before
+    the model loads, which may take a minute, not after), and a model that fails to load or its self-check (the
+    app loads it in its lifespan; here it is loaded on the CPU and dropped)."""
+    for key in ("lm", "ngram", "weights"):
+        path = getattr(settings, key)
+        if path is None or os.path.isdir(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ConfigError(f"--{key} {path}: cannot be read ({e.strerror or e})") from None
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            sock.bind((settings.host, settings.port))
+        except OSError as e:
+            raise ConfigError(f"--port {settings.port} on {settings.host}: cannot listen there "
+                              f"({e.strerror or e})") from None
+    if settings.lm is not None:
+        from smallstate_lm.checkpoint import load_model
+
+        load_model(settings.lm)
 
 
 def _timed_head_protocol(timeout_s: float, metrics: Metrics) -> type:
