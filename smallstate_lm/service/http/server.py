@@ -17,7 +17,7 @@ import uvicorn
 from uvicorn.lifespan.on import LifespanOn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from smallstate_lm.errors import ConfigError
+from smallstate_lm.errors import ConfigError, SmallstateError
 
 from ..metrics import Metrics
 from ..settings import Settings
@@ -89,7 +89,10 @@ def _preflight(settings: Settings) -> None:
     if settings.lm is not None:
         from smallstate_lm.checkpoint import load_model
 
-        load_model(settings.lm)
+        try:
+            load_model(settings.lm)
+        except SmallstateError as e:  # worded as the app's own refusal (`Service.start`) words it
+            raise ConfigError(f"the model failed to load or its self-check: {e}") from None
 
 
 def _timed_head_protocol(timeout_s: float, metrics: Metrics) -> type:
