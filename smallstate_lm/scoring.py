@@ -362,6 +362,43 @@ def trie_size(seqs: Sequence[Sequence[int]]) -> TreeSize:
     return TreeSize(1, nodes, nodes, int(lens.max()), int((lens[leaf] + 1).sum()))
 
 
+def trie_sizes(ids: np.ndarray, lens: np.ndarray, lists: np.ndarray, n_lists: int,
+               end: int | None = None) -> list[TreeSize]:
+    """`trie_size` of many lists of sequences in one set of array operations (a request of 256 n-best
+    lists in ~10 ms instead of ~60): `ids` holds every sequence's tokens one after another, `lens` their
+    lengths, `lists` the list (0 .. n_lists - 1) each sequence belongs to; `end`, when given, is a token
+    appended to every sequence. Sequences of different lists never share a prefix: the list is a first,
+    never-equal-across-lists column of the sorted table."""
+    lens = np.asarray(lens, dtype=np.int64)
+    n = len(lens)
+    sizes = [TreeSize(1, 0, 0, 0, 1)] * n_lists
+    if n == 0:
+        return sizes
+    starts = np.cumsum(lens) - lens
+    full = lens + (end is not None)
+    a = np.full((n, int(full.max()) + 1), -1, dtype=np.int64)
+    a[:, 0] = lists
+    rows = np.repeat(np.arange(n), lens)
+    a[rows, np.arange(len(rows)) - np.repeat(starts, lens) + 1] = ids
+    if end is not None:
+        a[np.arange(n), lens + 1] = end
+    order = np.lexsort(a.T[::-1])
+    a, full, lists = a[order], full[order], np.asarray(lists)[order]
+    same = (a[1:] == a[:-1]) & (a[1:] >= 0)
+    common = np.maximum(np.cumprod(same, axis=1).sum(axis=1) - 1, 0)  # shared tokens with the sequence before
+    leaf = np.ones(n, dtype=bool)
+    leaf[:-1] = common < full[:-1]
+    leaf &= full > 0
+    nodes = np.bincount(lists, weights=full, minlength=n_lists) - np.bincount(lists[1:], weights=common,
+                                                                              minlength=n_lists)
+    depth = np.zeros(n_lists, dtype=np.int64)
+    np.maximum.at(depth, lists, full)
+    path = np.bincount(lists, weights=np.where(leaf, full + 1, 0), minlength=n_lists)
+    present = np.bincount(lists, minlength=n_lists) > 0
+    return [TreeSize(1, int(k), int(k), int(d), int(p)) if has and d > 0 else TreeSize(1, 0, 0, 0, 1)
+            for k, d, p, has in zip(nodes.tolist(), depth.tolist(), path.tolist(), present.tolist())]
+
+
 def sorted_groups(seqs: Sequence[Sequence], fits) -> list[tuple[list[int], TreeSize]]:
     """The indices of `seqs` in sorted order (so that sequences sharing a prefix stay together), cut into
     groups whose one-row trie's `TreeSize` `fits(size)` (a sequence that fits alone nowhere is a group of

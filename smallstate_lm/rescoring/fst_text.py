@@ -112,19 +112,105 @@ class _FstTextLines:
         )
 
 
-def read_fst_text(text: str, symbols: SymbolTable, name: str = "<text>") -> Lattice:
+@dataclass
+class FstTextColumns:
+    """A text form's columns, as one pass of regular expressions splits them (`fst_text_columns`)."""
+
+    first: int  # the source of the first line: the start state
+    src: np.ndarray
+    dst: np.ndarray
+    labels: list[str]  # output labels, as written
+    graph: np.ndarray
+    acoustic: np.ndarray
+    final_state: np.ndarray
+    final_graph: np.ndarray
+    final_acoustic: np.ndarray
+
+    @property
+    def max_state(self) -> int:
+        return int(max(self.src.max(initial=-1), self.dst.max(initial=-1), self.final_state.max(initial=-1)))
+
+
+def fst_text_columns(text: str) -> FstTextColumns | None:
+    """The columns of a text form whose every line is an arc or final line with finite weights, split by
+    the line-by-line reader's own means (str.split, int, float) but a column at a time: a 2 MB request of
+    lattices in a fifth of the time. None for any other text, which the line-by-line reader then reads
+    or refuses with its exact error."""
+    rows = [r for r in map(str.split, text.splitlines()) if r]
+    if not rows or not all(len(r) in (1, 2, 4, 5) for r in rows):
+        return None
+    arcs = [r for r in rows if len(r) >= 4]
+    finals = [r for r in rows if len(r) <= 2]
+    try:
+        src = np.array([int(r[0]) for r in arcs], dtype=np.int64)
+        dst = np.array([int(r[1]) for r in arcs], dtype=np.int64)
+        final_state = np.array([int(r[0]) for r in finals], dtype=np.int64)
+        graph, acoustic = _costs([r[4] if len(r) == 5 else "0" for r in arcs])
+        final_graph, final_acoustic = _costs([r[1] if len(r) == 2 else "0" for r in finals])
+        first = int(rows[0][0])
+    except (ValueError, OverflowError):  # not numbers, or state ids beyond int64
+        return None
+    cols = FstTextColumns(first, src, dst, [r[3] for r in arcs], graph, acoustic, final_state, final_graph,
+                          final_acoustic)
+    ok = all(np.isfinite(x).all() for x in (graph, acoustic, final_graph, final_acoustic))
+    if not ok or min(src.min(initial=0), dst.min(initial=0), final_state.min(initial=0)) < 0:
+        return None  # the line-by-line reader says which weight or state
+    if len(np.unique(final_state)) < len(final_state):
+        return None  # and that a state is final twice
+    return cols
+
+
+def _costs(weights: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """`graph,acoustic` or a single (graph) cost per line, as two arrays; ValueError for any other."""
+    parts = [w.split(",") for w in weights]
+    if any(len(p) > 2 for p in parts):
+        raise ValueError("a weight of three parts")
+    return (np.array([float(p[0]) for p in parts], dtype=np.float64),
+            np.array([float(p[1]) if len(p) == 2 else 0.0 for p in parts], dtype=np.float64))
+
+
+def read_fst_text(text: str, symbols: SymbolTable, name: str = "<text>",
+                  columns: FstTextColumns | None = None) -> Lattice:
     """Parse the OpenFST text form: arcs `src dst ilabel olabel [graph,acoustic]`, finals `state [weight]`.
 
     The start state is the source of the first line (OpenFST's convention). Words are output labels:
     integer ids of `symbols`, or the symbols themselves. A single-cost weight is tropical (acoustic 0);
-    a missing weight is 0. Errors name `name:line` and the state.
+    a missing weight is 0. Errors name `name:line` and the state. `columns`: `fst_text_columns(text)`
+    when the caller has them already.
     """
+    columns = columns if columns is not None else fst_text_columns(text)
+    if columns is not None:
+        lat = _from_columns(columns, symbols, name)
+        if lat is not None:
+            return lat
     lines = _FstTextLines(symbols)
     for n, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if parts:
             lines.add(parts, line, f"{name}:{n}")
     return lines.lattice(name)
+
+
+def _from_columns(c: FstTextColumns, symbols: SymbolTable, name: str) -> Lattice | None:
+    """The lattice of `c`; None when a label is not in `symbols` (the line-by-line reader names the line)."""
+    ids = {}
+    for label in set(c.labels):
+        try:
+            w = int(label)
+            known = w == 0 or symbols.has_id(w)
+        except ValueError:  # symbolic labels (fstprint with a symbol table)
+            w = symbols._id.get(label, -1)
+            known = w >= 0
+        if not known:
+            return None
+        ids[label] = w
+    S = c.max_state + 1
+    fg = np.full(S, np.inf)
+    fa = np.full(S, np.inf)
+    fg[c.final_state], fa[c.final_state] = c.final_graph, c.final_acoustic
+    word = np.fromiter(map(ids.__getitem__, c.labels), dtype=np.int64, count=len(c.labels))
+    return Lattice(name=name, num_states=S, start=c.first, src=c.src, dst=c.dst, word=word, graph=c.graph,
+                   acoustic=c.acoustic, final_graph=fg, final_acoustic=fa, symbols=symbols)
 
 
 def lattice_to_text(lattice: Lattice) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from smallstate_lm.rescoring.fst_text import FstTextColumns, fst_text_columns
 from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
 from smallstate_lm.rescoring.lattice_io import read_fst_text, read_slf_text
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
@@ -32,7 +33,7 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings) -> Work:
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
-            items.append(nbest_item(*_hypotheses(u, where, s)))
+            items.append(nbest_item(*_hypotheses(u, where, s)))  # its hypotheses built once
         else:
             if u.context is not None:
                 raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
@@ -76,8 +77,9 @@ def lattice_cost(lat: Lattice, max_per_state: int) -> int:
     return lattice_shape(lat, max_per_state).total_steps
 
 
-def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, list[str]]:
-    """The utterance's hypotheses (ids: the request's, else None) and its context words."""
+def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, list[str], list[str]]:
+    """The utterance's hypotheses (their positions as ids), its context words, and the ids the hypotheses
+    came with (their positions where the request gave none)."""
     if len(u.hypotheses) > s.max_hypotheses:
         raise LimitError(f"{len(u.hypotheses)} hypotheses, more than the limit of {s.max_hypotheses} "
                          f"(max_hypotheses)", f"{where}.hypotheses", s.max_hypotheses)
@@ -92,8 +94,8 @@ def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, lis
             key = "words" if h.words is not None else "text"
             raise LimitError(f"{len(words)} words, more than the limit of {s.max_words} (max_words)",
                              f"{where}.hypotheses[{j}].{key}", s.max_words)
-        hyps.append(Hypothesis(words=words, am=h.am_score, graph=h.graph_score, id=h.id))
-    return Utterance(u.id, hyps), context
+        hyps.append(Hypothesis(words=words, am=h.am_score, graph=h.graph_score, id=str(j)))
+    return Utterance(u.id, hyps), context, [str(j) if h.id is None else h.id for j, h in enumerate(u.hypotheses)]
 
 
 def score_work(body: ScoreRequest, models: Models, s: Settings) -> Work:
@@ -126,9 +128,16 @@ def _as_int(s: str) -> int | None:
         return None
 
 
-def _check_fst_text(text: str, where: str, max_arcs: int) -> list[str]:
+def _check_fst_text(text: str, where: str, max_arcs: int) -> tuple[list[str], FstTextColumns | None]:
     """Arc count and largest state id against the limits before the parser allocates
-    per-state arrays; returns the output labels of the arcs."""
+    per-state arrays; returns the output labels of the arcs, and the text's columns when it has
+    the plain form that `fst_text_columns` splits (the parser then takes them)."""
+    cols = fst_text_columns(text)
+    if cols is not None:
+        if len(cols.labels) > max_arcs:
+            raise LimitError(f"the lattice has more than {max_arcs} arcs (max_lattice_arcs)", where, max_arcs)
+        _check_max_state(cols.max_state, where, max_arcs)
+        return cols.labels, cols
     labels: list[str] = []
     max_state = -1
     for line in text.splitlines():
@@ -141,10 +150,14 @@ def _check_fst_text(text: str, where: str, max_arcs: int) -> list[str]:
             s = _as_int(p)
             if s is not None and s > max_state:
                 max_state = s
+    _check_max_state(max_state, where, max_arcs)
+    return labels, None
+
+
+def _check_max_state(max_state: int, where: str, max_arcs: int) -> None:
     if max_state > max_arcs:
         raise LimitError(f"state id {max_state} is beyond the {max_arcs + 1} states a lattice may have "
                          f"(max_lattice_arcs + 1)", where, max_arcs)
-    return labels
 
 
 def _check_slf_counts(text: str, where: str, max_arcs: int) -> None:
@@ -178,14 +191,15 @@ def parse_lattice(lat: LatticeIn, where: str, name: str, max_arcs: int) -> Latti
     symbols = _symbol_table(lat.words, f"{where}.words") if lat.words is not None else None
     try:
         if lat.format == "openfst-text":
-            labels = _check_fst_text(lat.data, data_field, max_arcs)
+            labels, cols = _check_fst_text(lat.data, data_field, max_arcs)
             if symbols is None:
-                numeric = [lb for lb in labels if _as_int(lb) not in (None, 0)]
+                distinct = list(dict.fromkeys(labels))  # in order: the first numeric label is named
+                numeric = [lb for lb in distinct if _as_int(lb) not in (None, 0)]
                 if numeric:
                     raise ServiceError(f"arc label {numeric[0]} is a number: give the decoder's symbol table as "
                                        f"'words' (or use words as labels)", f"{where}.words")
-                symbols = SymbolTable.from_words([lb for lb in labels if _as_int(lb) is None])
-            parsed = read_fst_text(lat.data, symbols, name=data_field)
+                symbols = SymbolTable.from_words([lb for lb in distinct if _as_int(lb) is None])
+            parsed = read_fst_text(lat.data, symbols, name=data_field, columns=cols)
         else:
             _check_slf_counts(lat.data, data_field, max_arcs)
             parsed = read_slf_text(lat.data, symbols, name=data_field, lattice_name=name)

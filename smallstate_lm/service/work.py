@@ -10,18 +10,22 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from smallstate_lm.errors import ConfigError, SmallstateError
 from smallstate_lm.rescoring.kbest import ScoredPath
 from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
 from smallstate_lm.rescoring.lattice_io import read_fst_text
 from smallstate_lm.rescoring.nbest import Components
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-from smallstate_lm.scoring import TreeSize, Weights, check_overlap, trie_size
+from smallstate_lm.scoring import TreeSize, Weights, check_overlap, trie_sizes
 from smallstate_lm.vocab import EOS_ID
 
 from .cost import LatticeShape, lattice_shape
 from .errors import ServiceError
 from .model import Models
+
+MIN_KNOWN = 0.5  # check_overlap's default: the share of a lattice's words its LMs must know
 
 
 @dataclass
@@ -107,15 +111,22 @@ def request_weights(models: Models, overrides: dict[str, Any]) -> Weights:
     return w
 
 
-def nbest_item(utt: Utterance, context: list[str]) -> NbestItem:
-    """`utt`'s hypotheses, scored after the `context` words (their own log-probs not counted)."""
+def nbest_item(utt: Utterance, context: list[str], ids: list[str] | None = None) -> NbestItem:
+    """`utt`'s hypotheses, scored after the `context` words (their own log-probs not counted). With `ids` (the
+    ones the hypotheses came with), `utt`'s hypotheses have their positions as ids already and are taken as
+    they are."""
+    if ids is not None:
+        return _item(utt, context, ids)
     plain = Utterance(utt.utt, [Hypothesis(words=h.words, am=h.am, graph=h.graph, id=str(j))
                                 for j, h in enumerate(utt.hyps)])
+    return _item(plain, context, [h.id if h.id is not None else str(j) for j, h in enumerate(utt.hyps)])
+
+
+def _item(plain: Utterance, context: list[str], ids: list[str]) -> NbestItem:
     scored = plain
     if context:
-        scored = Utterance(utt.utt, [Hypothesis(words=context + h.words, am=h.am, graph=h.graph, id=h.id)
+        scored = Utterance(plain.utt, [Hypothesis(words=context + h.words, am=h.am, graph=h.graph, id=h.id)
                                      for h in plain.hyps])
-    ids = [h.id if h.id is not None else str(j) for j, h in enumerate(utt.hyps)]
     return NbestItem(scored=scored, plain=plain, ids=ids, context=len(context))
 
 
@@ -126,13 +137,14 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
     work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest, token_logprobs=token_logprobs)
     neural, cm = models.neural is not None, models.cost
     lattice_bytes = []
+    sizes = _trie_sizes(models, [it for it in items if isinstance(it, NbestItem)])
     for it, field in zip(items, fields):
         if isinstance(it, LatticeItem):
             lattice_bytes.append(_estimate_lattice(models, it, field))
             work.lattice_arcs += it.lattice.num_arcs
             work.lattice_seconds += it.seconds
         else:
-            tokens, nbytes = _estimate_list(models, it)
+            tokens, nbytes = _estimate_list(models, it, sizes)
             work.tokens_total += tokens
             work.nbytes = max(work.nbytes, nbytes)
             work.tokens_computed += it.cost if neural else 0
@@ -158,9 +170,9 @@ def _estimate_lattice(models: Models, it: LatticeItem, field: str) -> int:
     return est.nbytes
 
 
-def _estimate_list(models: Models, it: NbestItem) -> tuple[int, int]:
+def _estimate_list(models: Models, it: NbestItem, sizes: dict[int, TreeSize]) -> tuple[int, int]:
     """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
-    tokens and predicted peak bytes."""
+    tokens and predicted peak bytes. `sizes`: the tries of the request's lists (`_trie_sizes`)."""
     seqs = [h.words for h in it.scored.hyps]
     tokens = sum(len(s) + 1 for s in seqs)
     it.cost, it.depth = tokens, max(len(s) + 1 for s in seqs)
@@ -168,7 +180,7 @@ def _estimate_list(models: Models, it: NbestItem) -> tuple[int, int]:
     neural = models.neural
     if neural is not None:
         if neural.use_tree and neural.share_prefixes:
-            size = _trie_size(models, seqs)  # before any work: no model call
+            size = sizes[id(it)]  # before any work: no model call
             it.cost, nbytes = size.total_nodes, _tree_bytes(models, size)
         else:  # scored level by level or padded: the scorer's own estimate
             it.cost, nbytes = neural.estimate_cost([seqs])
@@ -177,12 +189,21 @@ def _estimate_list(models: Models, it: NbestItem) -> tuple[int, int]:
     return tokens, nbytes
 
 
-def _trie_size(models: Models, seqs: list[list[str]]) -> TreeSize:
-    """The size of the prefix trie the scorer builds over `seqs` (`trie_size` of their token ids), with each
-    distinct word encoded once: a request of 1,000 x 100 words is sized in a few milliseconds."""
-    distinct = set(itertools.chain.from_iterable(seqs))
-    ids = dict(zip(distinct, models.neural.vocab.encode(list(distinct))))
-    return trie_size([[ids[w] for w in words] + [EOS_ID] for words in seqs])
+def _trie_sizes(models: Models, items: list[NbestItem]) -> dict[int, TreeSize]:
+    """The size of the prefix trie the scorer builds over each list (by `id` of the item; none unless the scorer
+    shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""
+    neural = models.neural
+    if neural is None or not (neural.use_tree and neural.share_prefixes) or not items:
+        return {}
+    seqs = [h.words for it in items for h in it.scored.hyps]
+    words = list(itertools.chain.from_iterable(seqs))
+    distinct = list(set(words))
+    ids = dict(zip(distinct, neural.vocab.encode(distinct)))
+    flat = np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
+    lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    which = np.repeat(np.arange(len(items)), [len(it.scored.hyps) for it in items])
+    sizes = trie_sizes(flat, lens, which, len(items), end=EOS_ID)
+    return {id(it): size for it, size in zip(items, sizes)}
 
 
 def _tree_bytes(models: Models, size: TreeSize) -> int:
@@ -199,14 +220,18 @@ def _tree_bytes(models: Models, size: TreeSize) -> int:
 def check_lattice_vocabulary(models: Models, lat: Lattice, field: str) -> None:
     """The overlap check of hypothesis lists, on a lattice's words: a lattice in the wrong
     vocabulary is refused like a list in it (422), not scored as all <unk>."""
-    words = [[lat.symbols.word(i) for i in lat.word[lat.symbols.word_flags(lat.word)].tolist()]]
-    try:
-        if models.neural is not None:
-            check_overlap(words, models.neural.vocab, "the neural LM")
-        if models.ngram is not None:
-            check_overlap(words, models.ngram, "the n-gram")
-    except SmallstateError as e:
-        raise ServiceError(str(e), field) from None
+    ids = lat.word[lat.symbols.word_flags(lat.word)]
+    distinct, counts = np.unique(ids, return_counts=True)  # a word per distinct id, not per arc
+    words = [lat.symbols.word(i) for i in distinct.tolist()]
+    for known, what in ((models.neural and models.neural.vocab, "the neural LM"), (models.ngram, "the n-gram")):
+        if known is None or not len(ids):
+            continue
+        hit = sum(c for w, c in zip(words, counts.tolist()) if w in known)
+        if hit / len(ids) < MIN_KNOWN:
+            try:  # its message, which names words in the lattice's order
+                check_overlap([[lat.symbols.word(i) for i in ids.tolist()]], known, what, MIN_KNOWN)
+            except SmallstateError as e:
+                raise ServiceError(str(e), field) from None
 
 
 def warmup_work(models: Models) -> list[Work]:

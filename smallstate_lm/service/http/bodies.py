@@ -1,6 +1,7 @@
 """Request bodies: JSON only, parsed and validated against the request models, on the event loop
-when small and in a thread-pool thread otherwise, with FastAPI's errors (400 malformed JSON, 422
-invalid) made readable."""
+when small and in a thread-pool thread otherwise. A valid body takes the fast way (`decode`); any
+other goes through pydantic, whose errors FastAPI answers (400 malformed JSON, 422 invalid), made
+readable here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from .. import decode
 from ..schemas import NO_SPACE
 
 INLINE_BYTES = 32 * 1024  # bodies parsed on the event loop (~1 ms); larger ones in a thread
@@ -26,15 +28,21 @@ async def off_loop(inline: bool, fn: Callable, *args) -> Any:
     return fn(*args) if inline else await run_in_threadpool(fn, *args)
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> tuple[BaseModel, int]:
-    """The request's body as `model` (parsed in a thread unless small) and its size in bytes.
+async def read_body(request: Request, model: type[BaseModel]) -> tuple[BaseModel | decode.Request, int]:
+    """The request's body as `model`, or as its `decode` twin when valid (parsed in a thread unless small),
+    and its size in bytes.
     Only JSON is read: a browser sends text/plain and form bodies to any origin without asking
     first, so accepting them would let any web page make a local service do work."""
     content_type = request.headers.get("content-type", "")
     if not _is_json(content_type):
         raise HTTPException(415, f"Content-Type {content_type or '(none)'!r}: expected application/json")
     raw = await request.body()
-    return await off_loop(len(raw) <= INLINE_BYTES, _parse, model, raw), len(raw)
+    return await off_loop(len(raw) <= INLINE_BYTES, _decode, model, raw), len(raw)
+
+
+def _decode(model: type[BaseModel], raw: bytes) -> BaseModel | decode.Request:
+    body = decode.decode(model.__name__, raw)
+    return body if body is not None else _parse(model, raw)
 
 
 def _is_json(content_type: str) -> bool:
