@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, machine, paired_medians, write_section  # noqa: E402
+from common import DOC, command, machine, paired_medians, write_section  # noqa: E402
 
 from smallstate_lm.models import build_model, get_preset  # noqa: E402
 
@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=20000)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-write", action="store_true", help="Print only; leave docs/benchmarks.md alone.")
+    ap.add_argument("--doc", default=str(DOC), help="the markdown file whose section the run (re)writes")
     args = ap.parse_args()
     r = bench(args.device, args.vocab, args.repeats)
     unit = 1e9
@@ -114,7 +115,7 @@ def main() -> None:
     ])
     print(body)
     if not args.no_write:
-        write_section(f"bench_forward-{args.device.split(':')[0]}", body)
+        write_section(f"bench_forward-{args.device.split(':')[0]}", body, Path(args.doc))
 
 
 if __name__ == "__main__":

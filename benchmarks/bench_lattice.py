@@ -28,7 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import command, machine, write_section  # noqa: E402
+from common import DOC, command, machine, write_section  # noqa: E402
 
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="at most this many lattices per directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--doc", default=str(DOC), help="the markdown file whose section the run (re)writes")
     ap.add_argument("--breakdown", action="store_true", help="where the wall time of a rescoring run with the "
                     "neural LM and the n-gram goes (read, expansion bookkeeping, n-gram, LM forward, k-best, write)")
     ap.add_argument("--against", metavar="REV", help="compare n-gram-only `rescore` with git revision REV")
@@ -125,7 +126,7 @@ def main() -> None:
     ])
     print(body)
     if not args.no_write:
-        write_section(f"bench_lattice-{torch.device(args.device).type}", body)
+        write_section(f"bench_lattice-{torch.device(args.device).type}", body, Path(args.doc))
 
 
 def _timed_rescore(tree: Path, files: list[str], words: str, args, out: Path,
@@ -200,7 +201,7 @@ def against(args) -> None:
     ])
     print(body)
     if not args.no_write:
-        write_section("bench_lattice-against", body)
+        write_section("bench_lattice-against", body, Path(args.doc))
 
 
 class _Clock:
@@ -272,7 +273,7 @@ def breakdown(args) -> None:
     ])
     print(body)
     if not args.no_write:
-        write_section(f"bench_lattice-breakdown-{torch.device(args.device).type}", body)
+        write_section(f"bench_lattice-breakdown-{torch.device(args.device).type}", body, Path(args.doc))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import command, machine, write_section  # noqa: E402
+from common import DOC, command, machine, write_section  # noqa: E402
 
 from smallstate_lm.models import build_model, count_parameters, get_preset  # noqa: E402
 from smallstate_lm.rescoring.nbest_io import read_nbest  # noqa: E402
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--doc", default=str(DOC), help="the markdown file whose section the run (re)writes")
     args = ap.parse_args()
     device = torch.device(args.device)
     utts = [u for p in args.nbest for u in read_nbest(p)[: args.utts]]
@@ -152,7 +153,7 @@ def main() -> None:
     ])
     print(body)
     if not args.no_write:
-        write_section(f"bench_nbest-{device.type}", body)
+        write_section(f"bench_nbest-{device.type}", body, Path(args.doc))
 
 
 if __name__ == "__main__":
