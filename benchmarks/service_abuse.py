@@ -315,9 +315,11 @@ async def shutdown_run(server: "ServerProcess", in_flight: list[tuple[str, bytes
             "requests": [{"shape": shape, "status": s, "seconds": t} for (shape, _), (s, t) in zip(in_flight, answers)]}
 
 
-def server_rss_mib(pid: int) -> float:
+def server_rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """The server's resident memory (`VmRSS`), or a part of it: `RssAnon` (its own heap) or `RssFile` (pages of
+    mapped files, such as the n-gram's, which the kernel may drop)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -367,6 +369,7 @@ def run_abuse(args: argparse.Namespace) -> None:
         c = max(args.concurrency)
         asyncio.run(run_fixed(server.port, small[:200], 8))  # warm-up
         rss0 = server_rss_mib(server.proc.pid)
+        anon0 = server_rss_mib(server.proc.pid, "RssAnon")
         sampler = RssSampler(server.proc.pid)
         sampler.start()
         t0 = time.perf_counter()
@@ -379,6 +382,7 @@ def run_abuse(args: argparse.Namespace) -> None:
         wedged.sort(key=lambda r: list(wedge_shapes).index(r["shape"]))  # stable: in the order sent, by shape
         time.sleep(3)  # large requests' memory given back
         rss1 = server_rss_mib(server.proc.pid)
+        anon1 = server_rss_mib(server.proc.pid, "RssAnon")
         counts = {k: metric(server.port, f"smallstate_{k}_total") for k in ("requests_cancelled", "work_cancelled",
                                                                            "header_timeouts")}
         counts["408"] = metric(server.port, "smallstate_requests_total", status="408")
@@ -387,7 +391,8 @@ def run_abuse(args: argparse.Namespace) -> None:
         shutdown = asyncio.run(shutdown_run(server, in_flight, 1.0, grace))
     finally:
         server.stop()
-    rss = {"before": rss0, "peak": rss_peak, "after": rss1, "samples": sampler.samples}
+    rss = {"before": rss0, "peak": rss_peak, "after": rss1, "samples": sampler.samples, "anon_before": anon0,
+           "anon_after": anon1}
     body, summary = abuse_report(args, settings, base, out, stalls, counts, rss, (t1 - t0, t2 - t1), wedged,
                                  slice_ms, shutdown, server_settings)
     print(body)
@@ -517,7 +522,9 @@ def abuse_report(args, settings, base, out, stalls, counts, rss, seconds, wedged
         f"| hang-ups whose work was stopped | {counts['requests_cancelled']:.0f} requests cancelled, "
         f"{counts['work_cancelled']:.0f} jobs dropped or stopped | {args.disconnects} or more |",
         f"| server RSS before / peak / after | {rss['before']:.0f} MiB / {rss['peak']:.0f} MiB / "
-        f"{rss['after']:.0f} MiB (after {rss_ratio:.2f}x before; peak of {rss['samples']} samples, 100 ms apart) | "
+        f"{rss['after']:.0f} MiB (after {rss_ratio:.2f}x before; peak of {rss['samples']} samples, 100 ms apart; "
+        f"of it the process's own heap (RssAnon) {rss['anon_before']:.0f} / {rss['anon_after']:.0f} MiB "
+        "before / after) | "
         "after within 1.2x |",
         f"| SIGTERM with {len(shutdown['requests'])} heavy and wedge requests in flight | exit code {code} after "
         f"{exit_s:.1f} s; they got {', '.join(f'{s}: {n}' for s, n in sorted(sd.items()))} | 0, within {grace:g} s |",

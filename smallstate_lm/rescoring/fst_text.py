@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from operator import itemgetter, methodcaller
 
 import numpy as np
 
@@ -142,15 +143,15 @@ def fst_text_columns(text: str) -> FstTextColumns | None:
     arcs = [r for r in rows if len(r) >= 4]
     finals = [r for r in rows if len(r) <= 2]
     try:
-        src = np.array([int(r[0]) for r in arcs], dtype=np.int64)
-        dst = np.array([int(r[1]) for r in arcs], dtype=np.int64)
-        final_state = np.array([int(r[0]) for r in finals], dtype=np.int64)
+        src = _ints(arcs, 0)
+        dst = _ints(arcs, 1)
+        final_state = _ints(finals, 0)
         graph, acoustic = _costs([r[4] if len(r) == 5 else "0" for r in arcs])
         final_graph, final_acoustic = _costs([r[1] if len(r) == 2 else "0" for r in finals])
         first = int(rows[0][0])
     except (ValueError, OverflowError):  # not numbers, or state ids beyond int64
         return None
-    cols = FstTextColumns(first, src, dst, [r[3] for r in arcs], graph, acoustic, final_state, final_graph,
+    cols = FstTextColumns(first, src, dst, list(map(itemgetter(3), arcs)), graph, acoustic, final_state, final_graph,
                           final_acoustic)
     ok = all(np.isfinite(x).all() for x in (graph, acoustic, final_graph, final_acoustic))
     if not ok or min(src.min(initial=0), dst.min(initial=0), final_state.min(initial=0)) < 0:
@@ -160,9 +161,17 @@ def fst_text_columns(text: str) -> FstTextColumns | None:
     return cols
 
 
+def _ints(rows: list[list[str]], column: int) -> np.ndarray:
+    return np.fromiter(map(int, map(itemgetter(column), rows)), dtype=np.int64, count=len(rows))
+
+
 def _costs(weights: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """`graph,acoustic` or a single (graph) cost per line, as two arrays; ValueError for any other."""
-    parts = [w.split(",") for w in weights]
+    parts = list(map(methodcaller("split", ","), weights))
+    n = len(parts)
+    if all(len(p) == 2 for p in parts):
+        return (np.fromiter(map(float, map(itemgetter(0), parts)), dtype=np.float64, count=n),
+                np.fromiter(map(float, map(itemgetter(1), parts)), dtype=np.float64, count=n))
     if any(len(p) > 2 for p in parts):
         raise ValueError("a weight of three parts")
     return (np.array([float(p[0]) for p in parts], dtype=np.float64),

@@ -19,6 +19,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from smallstate_lm.errors import ConfigError, SmallstateError
 
+from ..memory import tune_allocator
 from ..metrics import Metrics
 from ..settings import Settings
 from .app import create_app
@@ -33,6 +34,7 @@ def serve(settings: Settings) -> None:
     `drain_seconds`, then the listener closes, in-flight requests finish or get 503 within
     `graceful_timeout_s`, the model is released and the process exits with status 0. A model
     that fails to load or its self-check: no port is opened, ConfigError."""
+    tune_allocator()
     _preflight(settings)
     logger = logging.getLogger("smallstate_lm")
     if not logger.handlers:  # uvicorn configures its own loggers only
