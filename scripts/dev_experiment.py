@@ -4,6 +4,9 @@ utterance is scored with weights it was not tuned on), for four systems:
 first pass, n-gram, neural, neural + n-gram.
 
     python scripts/dev_experiment.py --lm runs/hour --ngram runs/lm4.bin --data ../shared/data/dev
+
+With --lattices --mbr, the lattice rows also compare the consensus (MBR) decode with the best path and
+judge the word confidences (NCE, ECE) of the first pass and of the rescored lattices (docs/results.md).
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ from common import write_section  # noqa: E402
 
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
+from smallstate_lm.rescoring.confidence_eval import (  # noqa: E402
+    evaluate_confidences,
+    label_transcripts,
+    nce,
+    plot_reliability,
+    reliability_table,
+)
 from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
+from smallstate_lm.rescoring.lattice_decode import decode_lattice, first_pass_decode  # noqa: E402
 from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer  # noqa: E402
 from smallstate_lm.rescoring.lattice_io import read_fst  # noqa: E402
 from smallstate_lm.rescoring.nbest import compute_components, ranking  # noqa: E402
 from smallstate_lm.rescoring.nbest_io import read_nbest_tsv, read_text  # noqa: E402
 from smallstate_lm.rescoring.tune import DEFAULT_GRID, hypothesis_errors, tune, tune_lattices  # noqa: E402
+from smallstate_lm.rescoring.tune_decode import POSTERIOR_GRID, choose_decode  # noqa: E402
 from smallstate_lm.rescoring.wer import align_counts  # noqa: E402
 from smallstate_lm.scoring import NeuralScorer, Weights  # noqa: E402
 
@@ -78,8 +90,45 @@ def run_voice(voice_dir: Path, neural: NeuralScorer, ngram: NgramLM, am_scale: f
 LATTICE_SYSTEMS = ("n-gram", "neural + n-gram")
 
 
+def first_pass_scale(expanded, refs, am_scale: float) -> float:
+    """The posterior scale whose first-pass confidences have the highest NCE on `expanded` (a tuning half)."""
+    def score(s):
+        out = {e.name: first_pass_decode(e, am_scale, s) for e in expanded}
+        return nce(*label_transcripts(refs, out))
+    return max(POSTERIOR_GRID, key=score)
+
+
+def run_decodes(tune_half, test_half, refs, tuned: Weights, tuned_errors: int, grid, acc: dict) -> None:
+    """Viterbi and MBR with their scales (and MBR's word penalty) chosen on `tune_half`
+    (`choose_decode`), then both, the decode `tune --decode viterbi,mbr` picks, and the first pass applied to
+    `test_half`: errors and (words, confidences) per utterance added to `acc`."""
+    vit = choose_decode(tune_half, refs, tuned, tuned_errors, ("viterbi",)).weights
+    mbr = choose_decode(tune_half, refs, tuned, tuned_errors, ("mbr",), grid)
+    auto = mbr.weights if mbr.errors < tuned_errors else vit
+    fp_scale = first_pass_scale(tune_half, refs, tuned.am_scale)
+    for name, w in (("viterbi", vit), ("mbr", mbr.weights), ("auto", auto)):
+        acc.setdefault(name + " weights", []).append(w)
+        for e in test_half:
+            d = decode_lattice(e, w)
+            acc.setdefault(name, {})[e.name] = (d.words, d.confidences)
+    acc.setdefault("first pass scale", []).append(fp_scale)
+    for e in test_half:
+        acc.setdefault("first pass", {})[e.name] = first_pass_decode(e, tuned.am_scale, fp_scale)
+
+
+def decode_summary(acc: dict, refs) -> dict:
+    """Per decode of `acc`: WER % and the confidence report over every test half."""
+    out = {}
+    for name in ("first pass", "viterbi", "mbr", "auto"):
+        hyps = acc[name]
+        errors = sum(align_counts(refs[u], words).errors for u, (words, _) in hyps.items())
+        ref_words = sum(len(refs[u]) for u in hyps)
+        out[name] = (100 * errors / ref_words, evaluate_confidences(*label_transcripts(refs, hyps)))
+    return out
+
+
 def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab, ngram: NgramLM,
-                 orders, systems: tuple[str, ...] = LATTICE_SYSTEMS) -> list[dict]:
+                 orders, systems: tuple[str, ...] = LATTICE_SYSTEMS, mbr: bool = False) -> list[dict]:
     """Lattice rescoring, 2-fold like the n-best table, with weights tuned on lattices: for
     each half, the lattices of both halves are expanded with the LMs of the system (starting
     from that half's n-best weights, which only steer pruning and merging), the weights are
@@ -91,6 +140,7 @@ def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab,
         for system in systems:
             neural = system != "n-gram"
             errors, ref_words, states, calls, seconds, peak, tuned = 0, 0, 0, 0, 0.0, 0, []
+            acc: dict = {}
             for k in range(2):
                 w0 = res[system + " weights"][k]
                 rescorer = LatticeRescorer(w0, model if neural else None, vocab if neural else None, ngram,
@@ -105,6 +155,9 @@ def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab,
                 tune_half = [expanded[i] for i in res["folds"][k]]
                 r = tune_lattices(tune_half, refs, w0, SYSTEMS[system])
                 tuned.append(r.weights)
+                if mbr:
+                    run_decodes(tune_half, [expanded[i] for i in res["folds"][1 - k]], refs, r.weights, r.errors,
+                                SYSTEMS[system], acc)
                 for i in res["folds"][1 - k]:
                     exp = expanded[i]
                     errors += align_counts(refs[names[i]], exp.best_words(r.weights)).errors
@@ -115,7 +168,13 @@ def run_lattices(voice_dir: Path, res: dict, symbols: SymbolTable, model, vocab,
                          "wer": 100 * errors / ref_words, "nbest_wer": 100 * res[system] / res["ref_words"],
                          "states": states, "calls": calls, "seconds": seconds, "peak_mb": peak / 2**20,
                          "weights": tuned})
-            print({k: v for k, v in rows[-1].items() if k != "weights"}, flush=True)
+            if mbr:
+                rows[-1]["decodes"] = decode_summary(acc, refs)
+                rows[-1]["decode weights"] = acc
+            print({k: v for k, v in rows[-1].items() if k not in ("weights", "decode weights", "decodes")},
+                  flush=True)
+            for name, (wer, rep) in rows[-1].get("decodes", {}).items():
+                print(f"  {name}: WER {wer:.2f}%, {rep.line()}", flush=True)
     return rows
 
 
@@ -128,17 +187,22 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--lattices", action="store_true", help="also rescore the dev lattices (slow on CPU)")
     ap.add_argument("--orders", default=ORDERS, help="lattice history orders to compare")
+    ap.add_argument("--mbr", action="store_true", help="with --lattices: also the consensus (MBR) decode and the "
+                    "word confidences' NCE/ECE (section lattice-mbr-dev of docs/results.md)")
     args = ap.parse_args()
     lm = load_model(args.lm)
     neural = NeuralScorer(lm.model, lm.vocab)
     ngram = NgramLM(args.ngram)
-    rows, notes, lat_rows, lat_notes = [], [], [], []
+    rows, notes, lat_rows, lat_notes, mbr_rows = [], [], [], [], []
     orders = [None if o == "exact" else int(o) for o in args.orders.split(",")]
     symbols = SymbolTable.read(Path(args.data) / "words.txt") if args.lattices else None
     for voice in ("festival_slt", "festival_kal"):
         r = run_voice(Path(args.data) / voice, neural, ngram, args.am_scale)
         if args.lattices:
-            for row in run_lattices(Path(args.data) / voice, r, symbols, lm.model, lm.vocab, ngram, orders):
+            for row in run_lattices(Path(args.data) / voice, r, symbols, lm.model, lm.vocab, ngram, orders,
+                                    mbr=args.mbr):
+                if args.mbr:
+                    mbr_rows.append((voice, row))
                 lat_rows.append(f"| {voice} | {row['system']} | {row['order']} | {row['wer']:.2f} | "
                                 f"{row['nbest_wer']:.2f} | {row['states']:,} | "
                                 f"{row['calls']:,} | {row['seconds']:.0f} | {row['peak_mb']:.1f} |")
@@ -215,6 +279,72 @@ def main() -> None:
         print(lat_body)
         if not args.no_write:
             write_section("lattice-dev", lat_body, doc=ROOT / "docs" / "results.md", header="# Results\n")
+    if mbr_rows:
+        mbr_body = mbr_section(args, mbr_rows, write_plot=not args.no_write)
+        print(mbr_body)
+        if not args.no_write:
+            write_section("lattice-mbr-dev", mbr_body, doc=ROOT / "docs" / "results.md", header="# Results\n")
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def mbr_section(args, mbr_rows: list[tuple[str, dict]], write_plot: bool) -> str:
+    """The section lattice-mbr-dev: WER of the best path against the consensus, NCE/ECE of the confidences,
+    the decodes' weights per fold, and the reliability diagram of the neural + n-gram system."""
+    table, notes, reports = [], [], {}
+    for voice, row in mbr_rows:
+        d = row["decodes"]
+        acc = row["decode weights"]
+        table.append(f"| {voice} | {row['system']} | {row['order']} | {d['first pass'][0]:.2f} | "
+                     f"{d['viterbi'][0]:.2f} | {d['mbr'][0]:.2f} | {d['auto'][0]:.2f} | "
+                     + " | ".join(f"{d[k][1].nce:.3f} / {d[k][1].ece:.3f}" for k in ("first pass", "viterbi", "mbr"))
+                     + " |")
+        ws = "; ".join(f"viterbi posterior_scale={v.posterior_scale:g}; mbr mbr_scale={m.mbr_scale:g} "
+                       f"word_penalty={m.word_penalty:g} posterior_scale={m.posterior_scale:g}; tune picks {a.decode}"
+                       for v, m, a in zip(acc["viterbi weights"], acc["mbr weights"], acc["auto weights"]))
+        fp = ", ".join(f"{s:g}" for s in acc["first pass scale"])
+        notes.append(f"- {voice}, {row['system']}: folds {ws}; first-pass posterior scale {fp}")
+        if row["system"] == "neural + n-gram":
+            for k in ("first pass", "viterbi", "mbr"):
+                reports[f"{voice.replace('festival_', '')} {k}"] = d[k][1]
+    plot = ROOT / "docs" / "reliability.png"
+    plotted = write_plot and reports and plot_reliability(reports, str(plot))
+    cmd = (f"python scripts/dev_experiment.py --lm {args.lm} --ngram {args.ngram} --lattices --mbr"
+           + ("" if args.orders == ORDERS else f" --orders {args.orders}"))
+    return "\n".join([
+        "## Consensus (MBR) decoding and word confidences on the dev lattices (issue 29)",
+        "",
+        f"Command: `{cmd}` on {_cpu_model()} (2 cores, shared). The lattice rows of \"Lattice rescoring on the "
+        "dev sets\" re-decoded: 2-fold, each fold's weights tuned by Viterbi on the other half's expanded lattices "
+        "(as there); then on that "
+        "half the posterior scale of the best path's confidences is the one with the highest NCE, and the "
+        "consensus decode (`rescoring/consensus.py`, Xu et al. 2011) gets the posterior scale of its decision "
+        f"(`mbr_scale`, from {', '.join(f'{s:g}' for s in POSTERIOR_GRID)}) with the fewest errors, its word "
+        "penalty searched once more, then the scale of its confidences by NCE (`tune --decode`); the first "
+        "pass's confidences (the decoder's lattice alone, graph + acoustic/9.5) get their own scale by NCE "
+        "too. \"tune picks\" is `tune --decode viterbi,mbr`: MBR where it made "
+        "fewer errors than Viterbi on the tuning half. A word is correct when the WER alignment matches it; NCE "
+        "clips confidences to [1e-4, 1 - 1e-4]; ECE over 10 equal bins.",
+        "",
+        "| voice | system | histories | first-pass WER % | Viterbi WER % | MBR WER % | tune picks: WER % | "
+        "NCE / ECE first pass | NCE / ECE Viterbi | NCE / ECE MBR |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *table,
+        "",
+        *notes,
+        "",
+        "Reliability of the neural + n-gram system's confidences (fraction of words correct per confidence "
+        "bin; every test half):",
+        "",
+        reliability_table(reports) if reports else "",
+        "",
+        "![reliability diagram](reliability.png)" if plotted else "",
+    ])
 
 
 if __name__ == "__main__":

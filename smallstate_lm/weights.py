@@ -20,6 +20,10 @@ import numpy as np
 from .errors import ConfigError, VocabularyError
 from .files import atomic_write_text
 
+# how a lattice's transcript is chosen: its best path, or the consensus (minimum Bayes risk) decode
+DECODES = ("viterbi", "mbr")
+_TEXT_FIELDS = ("interpolation", "decode")
+
 
 @dataclass
 class Weights:
@@ -31,6 +35,10 @@ class Weights:
     mbr_scale > 0 picks hypotheses of an n-best list by minimum Bayes risk instead of the
     highest total: the posterior over the list is softmax(mbr_scale * total) and the
     hypothesis with the fewest expected word errors against it wins (0 = highest total).
+    Lattices are decoded by their best path (decode="viterbi") or by consensus (decode="mbr": the word
+    sequence with the fewest expected word errors, rescoring/consensus.py, under the posterior
+    exp(mbr_scale * total), or exp(posterior_scale * total) when mbr_scale is 0); their word confidences
+    are posteriors under exp(posterior_scale * total).
     Defaults suit a decoder whose am is a raw acoustic log-likelihood (Kaldi-style
     acoustic scale 1/10) and whose graph score is a natural-log LM probability;
     graph_scale=0 replaces the first-pass LM instead of adding to it.
@@ -45,6 +53,8 @@ class Weights:
     interpolation: Literal["loglinear", "linear"] = "loglinear"
     lam: float = 0.5
     mbr_scale: float = 0.0
+    posterior_scale: float = 0.7  # the confidences of the dev lattices explain the most near it (docs/results.md)
+    decode: Literal["viterbi", "mbr"] = "viterbi"
 
     def __post_init__(self):
         if self.interpolation not in ("loglinear", "linear"):
@@ -53,6 +63,10 @@ class Weights:
             raise ConfigError(f"lam must lie in [0, 1], got {self.lam}")
         if self.mbr_scale < 0:
             raise ConfigError(f"mbr_scale must be >= 0 (0 = no MBR), got {self.mbr_scale}")
+        if self.decode not in DECODES:
+            raise ConfigError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
+        if not self.posterior_scale > 0:  # 0 would make every path equally likely: no posterior at all
+            raise ConfigError(f"posterior_scale must be > 0, got {self.posterior_scale}")
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, float) and not math.isfinite(v):
@@ -74,7 +88,7 @@ class Weights:
             raise ConfigError(f"{path}: expected a JSON object of weights")
         known = {f.name for f in fields(cls)}
         try:
-            return cls(**{k: (v if k == "interpolation" else float(v)) for k, v in d.items() if k in known})
+            return cls(**{k: (v if k in _TEXT_FIELDS else float(v)) for k, v in d.items() if k in known})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: bad weight value ({e})") from None
 

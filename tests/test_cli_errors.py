@@ -147,6 +147,16 @@ def test_rescore_output_that_cannot_be_a_directory_is_refused_before_loading(tmp
     assert blocker.read_text() == "x"
 
 
+def test_refs_that_name_none_of_the_utterances_are_an_error_not_a_zero_wer(kenlm_model, tmp_path):
+    lattice = Path(__file__).resolve().parent.parent / "lattices" / "kal-dev0000.lat.fst"
+    refs = tmp_path / "ref.txt"
+    refs.write_text("other-utt he is a double minded man\n")
+    proc = run_cli("rescore", lattice, "--words", lattice.parent / "words.txt", "--ngram", kenlm_model,
+                   "-o", tmp_path / "out", "--refs", refs, "--quiet")
+    assert_clean_error(proc, "--refs: none of the 1 utterances has a reference", "'kal-dev0000'", "'other-utt'")
+    assert not (tmp_path / "out" / "wer.txt").exists()
+
+
 def test_checkpoint_whose_weights_do_not_match_its_config(trained, small_corpus, tmp_path):
     obj = torch.load(trained / "model.pt", weights_only=True)
     obj["config"]["d_ff"] = obj["config"]["d_ff"] * 2

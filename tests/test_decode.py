@@ -21,7 +21,8 @@ RESCORE = {"utterances": [{"id": "u1", "hypotheses": [HYP, {"text": "in a beginn
                            "context": "and god said"},
                           {"id": "u2", "lattice": {"format": "openfst-text", "data": FST,
                                                    "words": {"<eps>": 0, "in": 1, "the": 2}}}],
-           "weights": {"lm_weight": 0.5, "interpolation": "linear", "lam": 0.25, "mbr_scale": 0},
+           "weights": {"lm_weight": 0.5, "interpolation": "linear", "lam": 0.25, "mbr_scale": 0, "decode": "mbr",
+                       "posterior_scale": 0.7},
            "nbest": 3, "return_token_logprobs": True}
 SCORE = {"sentences": ["in the beginning", "god created the heaven"], "return_token_logprobs": False}
 

@@ -89,8 +89,8 @@ def test_archive_rescoring_writes_archives_back_and_equals_fst_files(tmp_path, a
                 if " " in line)
     by_utt: dict[str, list[tuple[float, float, str]]] = {}
     for line in ctm:
-        utt, ch, start, dur, word = line.split()
-        assert ch == "1"
+        utt, ch, start, dur, word, conf = line.split()
+        assert ch == "1" and 0.0 <= float(conf) <= 1.0
         by_utt.setdefault(utt, []).append((float(start), float(dur), word))
     for utt, words in by_utt.items():
         assert " ".join(w for *_, w in words) == best[utt]
@@ -152,7 +152,8 @@ def test_ctm_from_slf_node_times(tmp_path, kenlm_model):
                                          .splitlines())}
     rows: dict[str, list[tuple[float, float, str]]] = {}
     for line in (tmp_path / "best.ctm").read_text().splitlines():
-        utt, _, start, dur, word = line.split()
+        utt, _, start, dur, word, conf = line.split()
+        assert 0.0 <= float(conf) <= 1.0
         rows.setdefault(utt, []).append((float(start), float(dur), word))
     assert set(rows) == {u for u, w in best.items() if w}
     for utt, words in rows.items():

@@ -463,3 +463,37 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     m = re.search(r"Test cases:\s*(\d+) generated", out)
     assert m and int(m.group(1)) > 50, out[-3000:]
     print(out[-1500:])
+
+
+def test_lattice_transcripts_with_confidences_match_the_cli(server, tmp_path, tiny_lm_dir, kenlm_model):
+    fsts = sorted(LAT_DIR.glob("*.lat.fst"))
+    names = [p.name.split(".")[0] for p in fsts]
+    proc = run_cli("rescore", *fsts, "--words", LAT_DIR / "words.txt", "--lm", tiny_lm_dir, "--ngram", kenlm_model,
+                   "-o", tmp_path / "mbr", "--quiet", "--device", "cpu", "--decode", "mbr")
+    assert proc.returncode == 0, proc.stderr
+    cli = {r["utt"]: r for r in map(json.loads, (tmp_path / "mbr" / "nbest.jsonl").read_text().splitlines())}
+    lattices = [fst_utterance(p, n) for p, n in zip(fsts, names)]
+    for decode in ("viterbi", "mbr"):
+        body = {"utterances": lattices + nbest_request(read_nbest(TEST_DATA / "nbest.tsv")[:1])["utterances"],
+                "weights": {"decode": decode}}
+        r = post(server, "/rescore", body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["weights"]["decode"] == decode and out["weights"]["posterior_scale"] > 0
+        *lats, listed = out["utterances"]
+        assert "transcript" not in listed  # hypothesis lists have none
+        for u in lats:
+            t = u["transcript"]
+            assert t["decode"] == decode and len(t["confidences"]) == len(t["words"])
+            assert all(0.0 <= c <= 1.0 for c in t["confidences"])
+            want = cli[u["id"]]
+            if decode == "viterbi":
+                assert t["words"] == u["best"]["words"] == want["hyps"][0]["words"]
+                assert t["confidences"] == pytest.approx(want["hyps"][0]["confidences"], abs=1e-6)
+            else:
+                assert t["words"] == want["consensus"]["words"]
+                assert t["confidences"] == pytest.approx(want["consensus"]["confidences"], abs=1e-6)
+    r = post(server, "/rescore", {"utterances": lattices[:1], "weights": {"decode": "consensus"}})
+    assert r.status_code == 422 and "decode" in r.text
+    r = post(server, "/rescore", {"utterances": lattices[:1], "weights": {"posterior_scale": 0}})
+    assert r.status_code == 422 and "posterior_scale" in r.text

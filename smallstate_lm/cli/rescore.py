@@ -22,7 +22,15 @@ def rescore(
     ngram_weight: Optional[float] = typer.Option(None, "--ngram-weight", help="Override the n-gram weight."),
     word_penalty: Optional[float] = typer.Option(None, "--word-penalty", help="Override the per-word penalty."),
     mbr_scale: Optional[float] = typer.Option(None, "--mbr-scale", help="Override the MBR posterior scale "
-                                              "(n-best lists; 0 = highest total)."),
+                                              "(n-best lists: 0 = highest total; lattices with --decode mbr: 0 = "
+                                              "--posterior-scale)."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="Lattices: viterbi (the best path) or mbr (the "
+                                         "consensus: fewest expected word errors, rescoring/consensus.py) "
+                                         "[default: from --weights, else viterbi]."),
+    posterior_scale: Optional[float] = typer.Option(None, "--posterior-scale", help="Lattices: scale of the "
+                                                    "weighted total in the posteriors behind word confidences (and "
+                                                    "--decode mbr's, unless --mbr-scale is set) [default: from "
+                                                    "--weights, else 0.7]."),
     refs: Optional[Path] = typer.Option(None, "--refs", help="Reference text `utt w1 w2 ...` for WER."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory."),
     device: str = typer.Option("auto"),
@@ -59,8 +67,10 @@ def rescore(
                              "loads the LMs once): expansion is one core's work per process."),
     quiet: bool = typer.Option(False),
 ):
-    """Rescore n-best lists (.tsv, .jsonl, ESPnet, NeMo, Kaldi) or lattices (.fst, .slf[.gz]): writes best.txt,
-    nbest.jsonl, rescored lattices (lattices/) and, with --refs, wer.txt."""
+    """Rescore n-best lists (.tsv, .jsonl, ESPnet, NeMo, Kaldi) or lattices (.fst, .slf[.gz], Kaldi
+    archives, k2 .pt): writes best.txt,
+    nbest.jsonl, rescored lattices (lattices/) and, with --refs, wer.txt; lattices also give word confidences
+    (nbest.jsonl, best.ctm)."""
     from ..files import check_output_dir
     from ..rescoring.lattice_run import classify_inputs
     from ..rescoring.nbest_io import read_text
@@ -68,7 +78,7 @@ def rescore(
     check_output_dir(out, ConfigError)
     sources, lattices = classify_inputs(inputs)
     direct = {"lm_weight": lm_weight, "ngram_weight": ngram_weight, "word_penalty": word_penalty,
-              "mbr_scale": mbr_scale}
+              "mbr_scale": mbr_scale, "decode": decode, "posterior_scale": posterior_scale}
     w = load_weights(weights, set_, direct)
     ref = read_text(refs) if refs else None
     if lattices and nbest_format == "auto":
@@ -76,8 +86,9 @@ def rescore(
         from ..rescoring.lattice_files import CtmOptions, RunOptions
         from ..rescoring.lattice_run import LatticeRun
 
-        if w.mbr_scale > 0:
-            note("mbr_scale applies to n-best lists; lattices are rescored by their best path")
+        if w.mbr_scale > 0 and w.decode == "viterbi":
+            note("mbr_scale applies to n-best lists and to lattices with --decode mbr; these are decoded by their "
+                 "best path")
         expand = ExpandConfig(max_ngram_order=None if exact else max_ngram_order, beam=beam,
                               max_per_state=max_per_state, max_states=max_states)
         outputs = RunOptions(nbest, ctm=CtmOptions(frame_shift, subsampling_factor) if ctm else None,
@@ -87,6 +98,9 @@ def rescore(
         return
     if ray is not None:
         raise ConfigError("--ray rescores lattice files; n-best lists are rescored locally")
+    if w.decode != "viterbi":
+        note("decode applies to lattices; n-best lists are ranked by total, or by minimum Bayes risk with "
+             "--mbr-scale")
     from ..rescoring.nbest_import import ImportOptions
     from ..rescoring.nbest_run import NBestScoring, rescore_nbest_files
 

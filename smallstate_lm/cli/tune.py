@@ -40,11 +40,15 @@ def tune(
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of WER against lm_weight (needs matplotlib)."),
     mbr: bool = typer.Option(False, "--mbr", help="N-best lists: also tune mbr_scale, the posterior scale of "
                              "minimum-Bayes-risk selection (0 keeps the highest total)."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="Lattices: the decodes to choose among, viterbi, "
+                                         "mbr or viterbi,mbr (MBR kept only where it makes fewer dev errors); the "
+                                         "posterior scale is chosen with it [default: viterbi]."),
     device: str = typer.Option("auto"),
     batch_tokens: int = typer.Option(8192),
     quiet: bool = typer.Option(False),
 ):
-    """Tune interpolation weights on a dev set and write the best to a JSON file."""
+    """Tune interpolation weights on a dev set and write the best to a JSON file (lattices: also the decode and
+    the posterior scale of word confidences)."""
     from ..rescoring.lattice_run import split_lattice_inputs
     from ..rescoring.tune import plot_surface, surface_text
     from ..rescoring.tune_run import tune_search
@@ -61,20 +65,28 @@ def tune(
         raise ConfigError("give dev n-best lists or dev lattices to tune on, one of the two")
     if lattices:
         if mbr:
-            raise ConfigError("--mbr tunes the choice among n-best hypotheses; lattices are rescored by their "
-                              "best path, so tune them without it")
+            raise ConfigError("--mbr tunes the choice among n-best hypotheses; for lattices choose the consensus "
+                              "decode with --decode viterbi,mbr")
         from ..rescoring.lattice_expand import ExpandConfig
         from ..rescoring.lattice_run import LatticeRun
+        from ..rescoring.tune_decode import parse_decodes
         from ..rescoring.tune_run import tune_lattice_files
 
+        plan = dataclasses.replace(plan, decodes=parse_decodes(decode or "viterbi"))
         run = LatticeRun(words, lm, ngram, expand=ExpandConfig(max_ngram_order=None if exact else max_ngram_order),
                          device=device, progress=not quiet)
         r, n = tune_lattice_files(lattices, run, refs, plan)
         typer.echo(surface_text(r))
+        for line in r.decode_choice.lines(r.ref_words) if r.decode_choice is not None else []:
+            typer.echo(line)
         typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
+                   f"with {r.weights.decode} decoding, posterior scale {r.weights.posterior_scale:g} "
                    f"({n} lattices, {r.ref_words} reference words)")
         _save(r, n, out)
         return
+    if decode is not None:
+        raise ConfigError("--decode chooses how lattices are decoded; n-best lists choose by minimum Bayes risk "
+                          "with --mbr")
     from ..rescoring.nbest_import import ImportOptions
     from ..rescoring.nbest_run import NBestScoring
     from ..rescoring.tune_run import tune_nbest_files
@@ -95,6 +107,8 @@ def tune(
 
 
 def _save(r, dev_inputs: int, out: Path) -> None:
-    r.weights.save(out, {"dev_wer": r.wer, "dev_utterances": dev_inputs,
-                         "dev_first_pass_wer": r.baseline_errors / r.ref_words})
+    extra = {"dev_wer": r.wer, "dev_utterances": dev_inputs, "dev_first_pass_wer": r.baseline_errors / r.ref_words}
+    if r.decode_choice is not None:  # how well the dev confidences fit, at the chosen decode and scale
+        extra["dev_confidence_nce"] = r.decode_choice.nce
+    r.weights.save(out, extra)
     typer.echo(f"weights -> {out}: " + json.dumps(dataclasses.asdict(r.weights)))

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..weights import Weights, log_mix, weighted_total
 from .graph import backtrack, state_levels, viterbi
-from .kbest import ScoredPath, nbest_paths
+from .kbest import Dag, ScoredPath, nbest_paths
 from .lattice import Lattice, LatticeWarning, SymbolTable
 
 
@@ -71,6 +71,13 @@ class ExpandedLattice:
         zeros, ones = np.zeros_like(self.final_nn), np.ones_like(self.final_nn)
         return self._costs(w, self.final_acoustic, self.final_graph, self.final_nn, self.final_ng, zeros, zeros, ones)
 
+    def dag(self, w: Weights) -> Dag:
+        """The expanded graph under `w` as a `kbest.Dag` (costs -ln; word keys -1 on epsilon and non-word arcs):
+        what the k-best search, posteriors and the consensus decode run on."""
+        word_key = np.where(self.is_word > 0, self.word, -1)
+        return Dag(len(self.node_lat), self.src, self.dst, self.arc_costs(w), self.final_node, self.final_costs(w),
+                   word_key)
+
     # ---- search ----------------------------------------------------------------------
     def best_arcs(self, w: Weights) -> np.ndarray:
         """The arcs of the best path under `w` (Viterbi), in path order."""
@@ -87,15 +94,43 @@ class ExpandedLattice:
         """The best word sequence under `w` (Viterbi; cheaper than nbest(w, 1))."""
         return [self.symbols.word(int(self.word[e])) for e in self.best_arcs(w).tolist() if self.is_word[e] > 0]
 
-    def best_timed_words(self, w: Weights, frame_shift: float) -> list[tuple[str, float, float]]:
-        """(word, start, duration) in seconds along the best path: from the source lattice's state times
-        (SLF `t=`), else from its transition-ids (one frame each, `frame_shift` seconds apart, after
-        subsampling). Raises ConfigError when the lattice has neither."""
+    def _check_times(self) -> None:
         src = self.source
         no_tids = src is None or src.arc_tids is None or len(src.arc_tids.values) == 0
         if src is None or self.arc is None or (src.state_time is None and no_tids):
             raise ConfigError(f"lattice {self.name}: no word times for a CTM (it has neither node times, as SLF "
                               "`t=`, nor transition-ids, as Kaldi archives)")
+
+    def labels_on_one_frame(self) -> bool:
+        """One transition-id per arc (a Kaldi `Lattice`, not a CompactLattice): a word's label then sits on one
+        of its frames, and the word is taken to last until the next word's label."""
+        tids = self.source.arc_tids if self.source is not None else None
+        return (self.source.state_time is None and tids is not None and len(tids.values) > 0
+                and len(tids.values) == int((tids.lengths() > 0).sum()))
+
+    def node_times(self, frame_shift: float) -> np.ndarray:
+        """(N,) seconds from the start at each expanded node: its source state's SLF time, else the frames
+        (transition-ids, `frame_shift` seconds each) on the way to it; a Kaldi lattice is time-synchronous, so
+        every path gives a state the same time (the latest is taken). Raises ConfigError without times."""
+        self._check_times()
+        src = self.source
+        if src.state_time is not None:
+            return src.state_time[self.node_lat]
+        frames = src.arc_tids.lengths().astype(np.float64)
+        t = np.zeros(src.num_states)
+        level = state_levels(src.num_states, src.src, src.dst)
+        order = np.argsort(level[src.dst], kind="stable")
+        cuts = np.flatnonzero(np.diff(level[src.dst][order])) + 1
+        for a in np.split(order, cuts) if len(order) else []:
+            np.maximum.at(t, src.dst[a], t[src.src[a]] + frames[a])
+        return t[self.node_lat] * frame_shift
+
+    def best_timed_words(self, w: Weights, frame_shift: float) -> list[tuple[str, float, float]]:
+        """(word, start, duration) in seconds along the best path: from the source lattice's state times
+        (SLF `t=`), else from its transition-ids (one frame each, `frame_shift` seconds apart, after
+        subsampling). Raises ConfigError when the lattice has neither."""
+        self._check_times()
+        src = self.source
         arcs = self.best_arcs(w)
         lat_arc = self.arc[arcs]
         if src.state_time is not None:
@@ -104,9 +139,7 @@ class ExpandedLattice:
             frames = src.arc_tids.lengths()[lat_arc]
             end = np.cumsum(frames) * frame_shift
             start = end - frames * frame_shift
-            if len(src.arc_tids.values) == int((src.arc_tids.lengths() > 0).sum()):
-                # one transition-id per arc (a Kaldi `Lattice`): a word's label sits on one of its frames, so
-                # it is taken to last until the next word's label (or the end); lattice-align-words is exact
+            if self.labels_on_one_frame():  # lattice-align-words would be exact
                 words_at = np.flatnonzero(self.is_word[arcs] > 0)
                 nxt = np.append(start[words_at[1:]], end[-1] if len(end) else 0.0)
                 end = end.copy()

@@ -224,8 +224,7 @@ def nbest_paths(expanded, w, n: int) -> list[ScoredPath]:
     """`ExpandedLattice.nbest(w, n)`: the n best distinct word sequences of an expanded lattice
     under weights `w`, best first."""
     x = expanded
-    word_key = np.where(x.is_word > 0, x.word, -1)
-    paths = kbest_paths(Dag(len(x.node_lat), x.src, x.dst, x.arc_costs(w), x.final_node, x.final_costs(w), word_key), n)
+    paths = kbest_paths(x.dag(w), n)
     per_arc = np.stack([x.acoustic, x.graph, x.nn, x.ng, x.is_word, x.oov])  # one gather per path, not six
     per_final = np.stack([x.final_acoustic, x.final_graph, x.final_nn, x.final_ng])
     out = []

@@ -18,9 +18,11 @@ from ..errors import ConfigError, SmallstateError
 from ..files import BackgroundWriter, atomic_write_text
 from ..weights import Weights
 from .fst_binary import write_fst_bytes
+from .k2_lattice import K2_KINDS, K2Writer
 from .kaldi_write import KaldiArchiveWriter
 from .kbest import ScoredPath
 from .lattice import Lattice, LatticeFormatError, SymbolTable
+from .lattice_decode import decode_lattice
 from .lattice_expand import ExpandedLattice, ExpandStats, LatticeRescorer
 from .lattice_formats import (
     LATTICE_FORMATS,
@@ -85,11 +87,12 @@ class CtmOptions:
 @dataclass
 class LatticeResult:
     """What the outputs need from one input lattice: its n-best (best first, as
-    `ExpandedLattice.nbest` gives them), the
+    `ExpandedLattice.nbest` gives them), its transcript `best` (the best path, or the consensus with
+    `decode` "mbr") with each word's confidence, the confidences of the n-best's first (the best path), the
     first pass's best words, the rescored lattice (None when not written) and the
     expansion's counters; or, for a file that failed, only `error`. Lattices of a Kaldi
     archive name it (`archive`, `kind`), so that they are written back into one; `ctm`
-    holds (word, start, duration) of the best path when asked."""
+    holds (word, start, duration, confidence) of the transcript's words when asked."""
 
     path: str
     name: str = ""
@@ -102,16 +105,22 @@ class LatticeResult:
     error: str | None = None
     archive: str | None = None
     kind: str | None = None
-    ctm: list[tuple[str, float, float]] | None = None
+    ctm: list[tuple[str, float, float, float]] | None = None
+    confidences: list[float] = field(default_factory=list)  # per word of `best`
+    path_confidences: list[float] = field(default_factory=list)  # per word of nbest[0]
+    decode: str = "viterbi"
 
     @classmethod
     def of(cls, path: str | Path, exp: ExpandedLattice, w: Weights, nbest: int = 10,
            write_lattices: bool = True, ctm: CtmOptions | None = None) -> LatticeResult:
         hyps = exp.nbest(w, nbest) if nbest > 0 else []
-        return cls(path=str(path), name=exp.name, nbest=hyps, best=hyps[0].words if hyps else exp.best_words(w),
+        # confidences only where an output holds them: `--nbest 0` without a CTM keeps the best-path-only speed
+        d = decode_lattice(exp, w, hyps[0].words if hyps else None, ctm.seconds_per_tid if ctm is not None else None,
+                           confidences=nbest > 0)
+        return cls(path=str(path), name=exp.name, nbest=hyps, best=d.words,
                    first_pass=exp.first_pass_words(w.am_scale),
-                   lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats,
-                   ctm=exp.best_timed_words(w, ctm.seconds_per_tid) if ctm is not None else None)
+                   lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats, ctm=d.timed,
+                   confidences=d.confidences, path_confidences=d.path_confidences, decode=w.decode)
 
     @classmethod
     def failure(cls, path: str | Path, error: Exception | str) -> LatticeResult:
@@ -170,8 +179,8 @@ def _progress_bar(total: int | None):
 
 class LatticeOutputs:
     """Collects `LatticeResult`s in any order and writes the run's outputs under `out`:
-    `lattices/<name>.lat.fst` as each result arrives (or, for lattices of a Kaldi archive,
-    an entry of `lattices/<the archive's name>`, completed on `finish()`), then on `finish()` best.txt,
+    `lattices/<name>.lat.fst` as each result arrives (or, for lattices of a Kaldi archive or a k2 file,
+    an entry of `lattices/<the input's name>`, completed on `finish()`), then on `finish()` best.txt,
     nbest.jsonl (unless no n-best list was asked for), best.ctm (with `ctm`) and (with `refs`) wer.txt
     in input order (the index given to `add`, else the order of `paths`), unless every result failed.
     Every file is written atomically, and nothing is created before the first output (a run that fails to
@@ -188,7 +197,7 @@ class LatticeOutputs:
         self.summary = LatticeRunSummary()
         self.best: dict[str, list[str]] = {}
         self.first: dict[str, list[str]] = {}
-        self.timed: dict[str, list[tuple[str, float, float]]] = {}
+        self.timed: dict[str, list[tuple[str, float, float, float]]] = {}
         self.rank: dict[str, int] = {utterance_id(p): k for k, p in enumerate(self.paths)}
         self.nbest_utts: list[Utterance] = []
         self.archives: dict[str, object] = {}  # output archive name -> open KaldiArchiveWriter
@@ -226,8 +235,10 @@ class LatticeOutputs:
             self.timed[r.name] = r.ctm
         if r.nbest:
             self.nbest_utts.append(Utterance(r.name, [
-                Hypothesis(words=h.words, am=h.am, graph=h.graph, id=str(k), scores=h.scores() | {"rank": k})
-                for k, h in enumerate(r.nbest)]))
+                Hypothesis(words=h.words, am=h.am, graph=h.graph, id=str(k), scores=h.scores() | {"rank": k},
+                           confidences=r.path_confidences if k == 0 else None)
+                for k, h in enumerate(r.nbest)],
+                consensus=Hypothesis(r.best, confidences=r.confidences) if r.decode == "mbr" else None))
         entry = None
         if self.write_lattices and r.archive is not None and r.lattice is not None:
             entry = (r.archive, r.kind, r.name, r.lattice)
@@ -262,7 +273,9 @@ class LatticeOutputs:
         name = archive_output_name(spec)
         if name not in self.archives:
             (self.out / "lattices").mkdir(parents=True, exist_ok=True)
-            writer = KaldiArchiveWriter(self.out / "lattices" / name, kind or "compact", binary=not self.archive_text)
+            path = self.out / "lattices" / name
+            writer = (K2Writer(path, kind) if kind in K2_KINDS
+                      else KaldiArchiveWriter(path, kind or "compact", binary=not self.archive_text))
             self.archives[name] = self.archive_stack.enter_context(writer)
         return self.archives[name]
 
@@ -307,10 +320,16 @@ class LatticeOutputs:
             summary.wer, summary.first_pass_wer = total.to_dict(), fp.to_dict()
 
 
-def write_ctm(path: Path, timed: dict[str, list[tuple[str, float, float]]]) -> None:
-    """Kaldi/NIST CTM: `utt 1 start duration word` per word (seconds, channel 1), utterances in the given order."""
-    lines = [f"{utt} 1 {start:.3f} {dur:.3f} {word}\n" for utt, words in timed.items() for word, start, dur in words]
-    atomic_write_text(path, "".join(lines))
+def write_ctm(path: Path, timed: dict[str, list[tuple[str, float, float, float]]]) -> None:
+    """Kaldi/NIST CTM: `utt 1 start duration word confidence` per word (seconds, channel 1; the confidence a
+    posterior in [0, 1], as lattice-to-ctm-conf writes it), utterances in the given order."""
+    atomic_write_text(path, "".join(_ctm_line(utt, *w) for utt, words in timed.items() for w in words))
+
+
+def _ctm_line(utt: str, word: str, start: float, dur: float, conf: float) -> str:
+    # the end is rounded as the starts are, so that a word ending where the next starts still does once printed
+    a, b = round(start, 3), round(start + dur, 3)
+    return f"{utt} 1 {a:.3f} {b - a:.3f} {word} {conf:.4f}\n"
 
 
 def rescore_lattices(inputs: Iterable[Path | str | ResolvedInput | LatticeInput], symbols: SymbolTable | None,

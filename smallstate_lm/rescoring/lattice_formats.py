@@ -2,7 +2,7 @@
 
 An input is a lattice file or a Kaldi rspecifier (`ark:lat.1.ark`, `scp:lat.scp`, `ark:gunzip -c lat.1.gz|`).
 `resolve_input` decides its format once: by the rspecifier, else by the file's name where the name tells
-(`.lat.fst`, `.slf.gz`, `.ark`, `.scp`), else by the file's first bytes, gunzipped if gzip (`x.lat.gz` may be SLF
+(`.lat.fst`, `.slf.gz`, `.ark`, `.scp`, `.pt`), else by the file's first bytes, gunzipped if gzip (`x.lat.gz` may be SLF
 or a Kaldi archive, `lat.list` a Kaldi script). Every later step (does it need the symbol table, does it hold
 many lattices, how is it read, what is a lattice in it called) asks the `ResolvedInput` instead of looking again.
 
@@ -46,6 +46,15 @@ def looks_like_kaldi_archive(head: bytes) -> bool:
     return bool(_KEY_THEN_BINARY.match(head) or _KEY_THEN_TEXT.match(head))
 
 
+def looks_like_torch_save(head: bytes) -> bool:
+    """Whether `head` starts a torch.save file (k2's `torch.save(fsa.as_dict())`): a zip archive whose first
+    member is `<name>/data.pkl`."""
+    if head[:4] != b"PK\x03\x04" or len(head) < 30:
+        return False
+    name_len = int.from_bytes(head[26:28], "little")
+    return head[30:30 + name_len].endswith(b"data.pkl")
+
+
 def looks_like_kaldi_script(head: bytes) -> bool:
     """Whether the first complete lines of `head` are all `key path:offset` (a Kaldi scp into archives)."""
     lines = [x for x in head.split(b"\n")[:-1] if x.strip()][:20]
@@ -72,6 +81,8 @@ LATTICE_FORMATS = (
                   (".ark.gz", ".ark"), looks_like_kaldi_archive, True, many=True),
     LatticeFormat("kaldi-script", "Kaldi lattice script (.scp: key path.ark:offset)", (".scp",),
                   looks_like_kaldi_script, True, many=True),
+    LatticeFormat("k2", "k2/icefall Fsa or FsaVec (.pt: torch.save(fsa.as_dict()))", (".pt",), looks_like_torch_save,
+                  True, many=True),
 )
 FORMATS = {f.name: f for f in LATTICE_FORMATS}
 # Names that say nothing of the format (Kaldi's utils/convert_slf.pl writes SLF as <utt>.lat.gz, recipes write
@@ -201,7 +212,7 @@ class ResolvedInput:
 
     @property
     def many(self) -> bool:
-        """A Kaldi archive or script: read entry by entry, written back as one archive."""
+        """A Kaldi archive or script, or a k2 file: read entry by entry, written back as one file."""
         return self.format is not None and self.format.many
 
     def __str__(self) -> str:

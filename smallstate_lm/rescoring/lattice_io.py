@@ -2,9 +2,9 @@
 
 An input (a lattice file or a Kaldi rspecifier) is resolved once by `lattice_formats.resolve_input`; then
 `lattice_inputs` turns it into `LatticeInput`s, one per lattice (one for an OpenFST or SLF file, one per entry of a
-Kaldi archive or script), each read by its `load` when it is needed, by the reader of its format:
-fst_binary.py (OpenFST binary), slf.py (HTK SLF), kaldi_table.py (Kaldi archives and scripts). `read_lattice`
-reads a single lattice the same way.
+Kaldi archive or script, one per FSA of a k2 file), each read by its `load` when it is needed, by the reader of its
+format: fst_binary.py (OpenFST binary), slf.py (HTK SLF), kaldi_table.py (Kaldi archives and scripts),
+k2_lattice.py (k2/icefall `torch.save(fsa.as_dict())`). `read_lattice` reads a single lattice the same way.
 
 Every reader names the file and the line (or, for binary files, the state and the byte offset) of the first
 problem. The readers of the text forms (fst_text.py, slf.py) are importable from here too.
@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator
 from ..files import atomic_write_bytes
 from .fst_binary import read_fst_bytes, write_fst_bytes
 from .fst_text import lattice_to_text, read_fst_text
+from .k2_lattice import iter_k2_entries
 from .kaldi_table import Entry, iter_kaldi_entries
 from .lattice import Lattice, LatticeFormatError, SymbolTable
 from .lattice_formats import (
@@ -74,8 +75,8 @@ class LatticeInput:
     name: str
     origin: str  # the file, or `archive[key]`
     load: Callable[[], Lattice]
-    archive: str | None = None  # the Kaldi archive or script (as given) the lattice came from
-    kind: str | None = None  # Kaldi entry kind: "compact" or "lattice"
+    archive: str | None = None  # the Kaldi archive or script, or the k2 file (as given) the lattice came from
+    kind: str | None = None  # Kaldi entry kind ("compact", "lattice") or k2 file kind ("k2-fsa", "k2-fsavec")
 
 
 def _readable_format(source: ResolvedInput, symbols: SymbolTable | None) -> LatticeFormat:
@@ -102,9 +103,12 @@ def _read_one(source: ResolvedInput, symbols: SymbolTable | None) -> Lattice:
 
 
 def _entries(source: ResolvedInput, symbols: SymbolTable | None) -> Iterator[Entry]:
-    """The (key, kind, load) entries of a Kaldi archive or script input, read as they are taken."""
-    script = _readable_format(source, symbols).name == "kaldi-script"
-    return iter_kaldi_entries(source.path, symbols, script)
+    """The (key, kind, load) entries of a Kaldi archive or script input, read as they are taken, or the FSAs
+    of a k2 file."""
+    fmt = _readable_format(source, symbols).name
+    if fmt == "k2":
+        return iter_k2_entries(source.path, symbols)
+    return iter_kaldi_entries(source.path, symbols, fmt == "kaldi-script")
 
 
 def _archive_inputs(source: ResolvedInput, symbols: SymbolTable | None) -> Iterator[LatticeInput]:
@@ -121,8 +125,9 @@ def lattice_inputs(specs: Iterable[str | os.PathLike | ResolvedInput],
                    symbols: SymbolTable | None) -> Iterator[LatticeInput]:
     """The lattices of the given inputs, lazily, in order: a lattice file (.fst, SLF) is one; a Kaldi archive
     (`lat.1.gz`, `x.ark`, or an rspecifier `ark:...` / `scp:lat.scp`) or script is read entry by entry as the
-    rescoring goes (the archive is never held whole). An input is resolved once (`resolve_input`; inputs resolved
-    already are not looked at again). A file that cannot be read becomes an input whose `load` raises."""
+    rescoring goes (the archive is never held whole); a k2 file (.pt) gives one per FSA. An input is resolved once
+    (`resolve_input`; inputs resolved already are not looked at again). A file that cannot be read becomes an input
+    whose `load` raises."""
     for spec in specs:
         source = resolve_input(spec)
         if source.many:

@@ -120,6 +120,6 @@ def _on_ray(sources, run: LatticeRun, out, refs, on_error) -> LatticeRunSummary:
     job = _worker_job(run)
     if run.outputs.ctm is not None or any(s.many for s in sources):
         raise ConfigError("--ray rescores single lattice files (.fst, SLF) without --ctm; rescore Kaldi "
-                          "archives and write CTMs without --ray")
+                          "archives and k2 files, and write CTMs, without --ray")
     return rescore_lattice_files_ray(sources, job, out, refs, RayCluster(run.ray, run.device, run.ray_actors),
                                      run.progress, on_error)

@@ -34,12 +34,14 @@ class Hypothesis:
     graph: float = 0.0  # first-pass LM / graph log-prob, natural log
     id: str | None = None
     scores: dict[str, float] = field(default_factory=dict)  # components added by rescoring
+    confidences: list[float] | None = None  # per word, in [0, 1] (lattices: posteriors)
 
 
 @dataclass
 class Utterance:
     utt: str
     hyps: list[Hypothesis]
+    consensus: Hypothesis | None = None  # a lattice's consensus (MBR) transcript, when that is what was chosen
 
 
 TSV_COLUMNS = ["utt", "rank", "total_cost", "ac_logprob", "lm_logprob_ln", "n_words", "words"]
@@ -232,13 +234,18 @@ def write_text(path: str | os.PathLike, items: dict[str, list[str]]) -> None:
 
 def write_nbest_jsonl(path: str | os.PathLike, utts: list[Utterance]) -> None:
     """Raises ScoreError, and writes nothing, when a score is NaN or infinite: JSON has no
-    such numbers (json.dumps would write a bare NaN that no JSON reader accepts)."""
+    such numbers (json.dumps would write a bare NaN that no JSON reader accepts). A hypothesis's word
+    confidences are written as `confidences`, an utterance's consensus as `consensus` ({words, confidences})."""
     lines = []
     for u in utts:
         hyps = [{"words": h.words, "am": h.am, "graph": h.graph, **({"id": h.id} if h.id is not None else {}),
-                 **h.scores} for h in u.hyps]
+                 **h.scores, **({"confidences": h.confidences} if h.confidences is not None else {})}
+                for h in u.hyps]
+        rec = {"utt": u.utt, "hyps": hyps}
+        if u.consensus is not None:
+            rec["consensus"] = {"words": u.consensus.words, "confidences": u.consensus.confidences}
         try:
-            lines.append(json.dumps({"utt": u.utt, "hyps": hyps}, allow_nan=False))
+            lines.append(json.dumps(rec, allow_nan=False))
         except ValueError:
             bad = next((f"hypothesis {k}: {key}={v}" for k, h in enumerate(hyps) for key, v in h.items()
                         if isinstance(v, float) and not math.isfinite(v)), "a score")

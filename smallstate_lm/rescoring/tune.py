@@ -38,6 +38,7 @@ class TuneResult:
     grid: dict[str, list[float]]
     surface: np.ndarray  # errors over the grid, axes in `grid` order (lam first when linear)
     mbr_errors: list[tuple[float, int]] | None = None  # (mbr_scale, errors) at the best other weights
+    decode_choice: object | None = None  # lattices with decodes to choose among: tune_decode.DecodeChoice
 
     @property
     def wer(self) -> float:
@@ -269,12 +270,13 @@ def checked_grid(base: Weights, grid: dict[str, list[float]] | None) -> dict[str
 
 
 def tune_lattices(expanded: Sequence, refs: dict[str, list[str]], base: Weights, grid: dict[str, list[float]],
-                  rounds: int = 2) -> TuneResult:
+                  rounds: int = 2, decodes: Sequence[str] | None = None) -> TuneResult:
     """Coordinate search on expanded lattices: each weight in turn takes the grid value
     that minimises errors with the others held; each setting is a Viterbi search over
     the stored expanded graphs (no LM call). Merged histories were chosen under the
     weights the lattices were expanded with, so re-expanding with the tuned weights
-    and tuning again can still move a little."""
+    and tuning again can still move a little. With `decodes` (viterbi and/or mbr), the decode and the
+    posterior scale are then chosen at those weights (`tune_decode.choose_decode`)."""
     from .wer import align_counts
 
     missing = [e.name for e in expanded if e.name not in refs]
@@ -302,5 +304,12 @@ def tune_lattices(expanded: Sequence, refs: dict[str, list[str]], base: Weights,
             break
     surface = np.array([errors(dataclasses.replace(best_w, **{keys[0]: v})) for v in grid[keys[0]]]) if keys else \
         np.zeros(0)
+    choice = None
+    if decodes:
+        from .tune_decode import choose_decode
+
+        choice = choose_decode(expanded, refs, dataclasses.replace(best_w, decode="viterbi"), best_e, decodes, grid)
+        best_w, best_e = choice.weights, choice.errors
     return TuneResult(weights=best_w, errors=best_e, ref_words=ref_words, baseline_errors=baseline,
-                      oracle_errors=-1, grid={keys[0]: grid[keys[0]]} if keys else {}, surface=surface)
+                      oracle_errors=-1, grid={keys[0]: grid[keys[0]]} if keys else {}, surface=surface,
+                      decode_choice=choice)

@@ -24,11 +24,13 @@ _OTHER_GRID = [round(x * 0.1, 3) for x in range(0, 21)]
 @dataclass(frozen=True)
 class TuneSearch:
     """What the search moves: the starting weights (those not searched are kept), each searched weight's grid,
-    and `mbr` (n-best lists only: also the posterior scale of minimum-Bayes-risk selection)."""
+    `mbr` (n-best lists only: also the posterior scale of minimum-Bayes-risk selection) and `decodes` (lattices
+    only: the decodes to choose among, with the posterior scale; `tune_decode.py`)."""
 
     base: Weights
     grid: dict[str, list[float]]
     mbr: bool = False
+    decodes: tuple[str, ...] = ("viterbi",)
 
 
 def tune_search(search: Sequence[str], base: Weights, neural: bool, ngram: bool, mbr: bool = False) -> TuneSearch:
@@ -60,7 +62,7 @@ def tune_lattice_files(sources: Sequence[ResolvedInput], run: LatticeRun, refs: 
     """(the tuned result, the number of dev lattices): each lattice expanded once with the LMs under the
     search's starting weights (`run` gives the inputs' words, the LMs, the expansion and the device), then the
     search by Viterbi on the stored expanded graphs. A dev set is read whole: a lattice that cannot be read
-    stops the run."""
+    stops the run. The decode and posterior scale are then chosen among `search.decodes`."""
     from tqdm import tqdm
 
     from .lattice_io import lattice_inputs
@@ -70,4 +72,4 @@ def tune_lattice_files(sources: Sequence[ResolvedInput], run: LatticeRun, refs: 
     lats = [item.load() for item in lattice_inputs(sources, symbols)]
     expanded = [e for _, e in tqdm(rescorer.expand_many(lats), total=len(lats), disable=not run.progress,
                                    desc="expand")]
-    return tune_lattices(expanded, read_text(refs), search.base, search.grid), len(lats)
+    return tune_lattices(expanded, read_text(refs), search.base, search.grid, decodes=search.decodes), len(lats)

@@ -38,6 +38,15 @@ def align_counts(ref: Sequence[str], hyp: Sequence[str]) -> ErrorCounts:
     return ErrorCounts(sub=d["sub"], dels=d["del"], ins=d["ins"], ref_words=len(ref))
 
 
+def correct_words(ref: Sequence[str], hyp: Sequence[str]) -> list[bool]:
+    """For each word of `hyp`, whether the WER alignment with `ref` matches it to an equal reference word
+    (False for substitutions and insertions): the labels word confidences are judged against."""
+    import kaldialign
+
+    eps = "<eps>"  # hypothesis and reference words never spell a marker
+    return [r == h for r, h in kaldialign.align(list(ref), list(hyp), eps) if h != eps]
+
+
 def pairwise_errors(seqs: Sequence[Sequence[str]]) -> np.ndarray:
     """(n, n) word edit distances between every pair of sequences (symmetric, zero diagonal)."""
     import kaldialign
@@ -69,6 +78,11 @@ def write_wer_report(path, refs: dict[str, list[str]], best: dict[str, list[str]
     from ..files import atomic_write_text
 
     scored = {u: refs[u] for u in best if u in refs}
+    if best and refs and not scored:  # a WER over no words would read as 0.00%
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--refs: none of the {len(best)} utterances has a reference (their ids are like "
+                          f"{next(iter(best))!r}, the references' like {next(iter(refs))!r}); no wer.txt written")
     total, per = corpus_wer(scored, best)
     lines = [f"%WER {100 * total.wer:.2f} [ {total.errors} / {total.ref_words}, {total.ins} ins, "
              f"{total.dels} del, {total.sub} sub ]"]

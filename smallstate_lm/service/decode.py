@@ -7,6 +7,9 @@ a body is taken here only when it is certainly valid, and anything these Structs
 below do not accept goes to pydantic, which then accepts it or words the error. So this module may
 be stricter than the schemas, never more lenient; tests/test_decode.py holds the two side by side.
 
+The Structs are untracked by the cycle collector (`gc=False`: they hold strings, numbers and lists
+only), so that decoding a large body does not set off full collections.
+
 Per-word checks (no whitespace, length) run over each list's words joined into one string: one C
 scan per list, where a pattern per word costs more than the whole decode."""
 
@@ -28,7 +31,7 @@ Weight = Annotated[float, msgspec.Meta(ge=-MAX_ABS_WEIGHT, le=MAX_ABS_WEIGHT)]
 SymbolId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
-class HypothesisIn(msgspec.Struct, forbid_unknown_fields=True):
+class HypothesisIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     am_score: Score
     id: Optional[Id] = None
     text: Optional[str] = None
@@ -36,20 +39,20 @@ class HypothesisIn(msgspec.Struct, forbid_unknown_fields=True):
     graph_score: Score = 0.0
 
 
-class LatticeIn(msgspec.Struct, forbid_unknown_fields=True):
+class LatticeIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     format: Literal["openfst-text", "htk-slf"]
     data: Annotated[str, msgspec.Meta(min_length=1)]
     words: Optional[dict[str, SymbolId]] = None
 
 
-class UtteranceIn(msgspec.Struct, forbid_unknown_fields=True):
+class UtteranceIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     id: Id
     hypotheses: Optional[Annotated[list[HypothesisIn], msgspec.Meta(min_length=1)]] = None
     lattice: Optional[LatticeIn] = None
     context: Optional[str] = None
 
 
-class WeightsIn(msgspec.Struct, forbid_unknown_fields=True):
+class WeightsIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     am_scale: Optional[Weight] = None
     graph_scale: Optional[Weight] = None
     lm_weight: Optional[Weight] = None
@@ -59,6 +62,8 @@ class WeightsIn(msgspec.Struct, forbid_unknown_fields=True):
     interpolation: Optional[Literal["loglinear", "linear"]] = None
     lam: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]] = None
     mbr_scale: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ABS_WEIGHT)]] = None
+    posterior_scale: Optional[Annotated[float, msgspec.Meta(gt=0.0, le=MAX_ABS_WEIGHT)]] = None
+    decode: Optional[Literal["viterbi", "mbr"]] = None
 
     def model_dump(self, exclude_none: bool = False) -> dict:
         """The overrides given, as pydantic's model would list them."""
@@ -66,14 +71,14 @@ class WeightsIn(msgspec.Struct, forbid_unknown_fields=True):
         return {k: v for k, v in d.items() if v is not None} if exclude_none else d
 
 
-class RescoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+class RescoreRequest(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     utterances: Annotated[list[UtteranceIn], msgspec.Meta(min_length=1)]
     weights: Optional[WeightsIn] = None
     nbest: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
     return_token_logprobs: bool = False
 
 
-class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     sentences: Annotated[list[str], msgspec.Meta(min_length=1)]
     return_token_logprobs: bool = False
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 import numpy as np
 
+from smallstate_lm.rescoring.lattice_decode import Decoded
 from smallstate_lm.rescoring.nbest import Components, apply_weights
 from smallstate_lm.scoring import Weights, count_oov
 
@@ -47,6 +48,7 @@ class RankedUtterance:
     utt: str
     source: Literal["hypotheses", "lattice"]
     hypotheses: list[RankedHypothesis]  # best first, at most the request's nbest
+    transcript: Decoded | None = None  # lattices: the best path or the consensus, with word confidences
 
 
 @dataclass
@@ -155,7 +157,7 @@ def _ranked_lattice(models: Models, it: LatticeItem, w: Weights) -> RankedUttera
     if not it.hyps:
         raise ServiceError(f"lattice {name!r}: no complete path survived pruning", "utterances")
     hyps = [_ranked(models, h.scores(), str(rank), h.words, rank, w) for rank, h in enumerate(it.hyps)]
-    return RankedUtterance(name, "lattice", hyps)
+    return RankedUtterance(name, "lattice", hyps, it.transcript)
 
 
 def _sentence(it: NbestItem, c: Components, token_logprobs: bool) -> SentenceScores:

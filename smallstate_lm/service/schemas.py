@@ -120,8 +120,13 @@ class WeightsIn(_Strict):
     lam: Optional[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = None
     mbr_scale: Optional[Annotated[float, Field(ge=0.0, le=MAX_ABS_WEIGHT, allow_inf_nan=False)]] = Field(
         None, description="Hypothesis lists: > 0 ranks by minimum Bayes risk, the fewest expected word errors "
-        "under the posterior softmax(mbr_scale * total) over the list; 0 ranks by total. Lattices keep their "
-        "best path.")
+        "under the posterior softmax(mbr_scale * total) over the list; 0 ranks by total. Lattices with "
+        "decode=mbr: the sharpness of the consensus's posterior (0: posterior_scale's).")
+    posterior_scale: Optional[Annotated[float, Field(gt=0.0, le=MAX_ABS_WEIGHT, allow_inf_nan=False)]] = Field(
+        None, description="Lattices: word confidences are posteriors under exp(posterior_scale * total).")
+    decode: Optional[Literal["viterbi", "mbr"]] = Field(
+        None, description="Lattices: the transcript is the best path (viterbi) or the consensus (mbr: the word "
+        "sequence with the fewest expected word errors under the lattice's posterior).")
 
 
 class RescoreRequest(_Strict):
@@ -159,11 +164,22 @@ class ScoredHypothesis(BaseModel):
     token_logprobs: Optional[TokenLogprobs] = None
 
 
+class Transcript(BaseModel):
+    """A lattice's transcript under the request's `decode`, each word with its confidence: its posterior in
+    [0, 1] under exp(posterior_scale * total), in its slot once the lattice is aligned to the transcript."""
+
+    decode: Literal["viterbi", "mbr"]
+    words: list[str]
+    confidences: list[float]
+
+
 class UtteranceResult(BaseModel):
     id: str
     source: Literal["hypotheses", "lattice"]
     best: ScoredHypothesis
     hypotheses: list[ScoredHypothesis]
+    transcript: Optional[Transcript] = Field(None, description="Lattices only: the best path (decode=viterbi) or "
+                                             "the consensus (decode=mbr), with word confidences.")
 
 
 class Usage(BaseModel):
@@ -189,6 +205,8 @@ class WeightsOut(BaseModel):
     interpolation: Literal["loglinear", "linear"]
     lam: float
     mbr_scale: float
+    posterior_scale: float
+    decode: Literal["viterbi", "mbr"]
 
 
 class RescoreResponse(BaseModel):

@@ -15,6 +15,7 @@ import numpy as np
 from smallstate_lm.errors import ConfigError, SmallstateError
 from smallstate_lm.rescoring.kbest import ScoredPath
 from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
+from smallstate_lm.rescoring.lattice_decode import Decoded
 from smallstate_lm.rescoring.lattice_io import read_fst_text
 from smallstate_lm.rescoring.nbest import Components
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
@@ -52,6 +53,7 @@ class LatticeItem:
     lattice: Lattice  # prepared (see `prepared`); its name is the utterance id
     n: int  # distinct word sequences to return
     hyps: list[ScoredPath] | None = None  # ExpandedLattice.nbest
+    transcript: Decoded | None = None  # the best path or the consensus (weights.decode), with confidences
     lm_steps: int = 0
     seconds: float = 0.0  # predicted by the cost model: an upper bound (beam pruning is not foreseen)
     nbytes: int = 0

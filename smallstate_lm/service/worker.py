@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from smallstate_lm.errors import SmallstateError
+from smallstate_lm.rescoring.lattice_decode import decode_lattice
 from smallstate_lm.rescoring.nbest import Components, compute_components, first_pass_components
 from smallstate_lm.scoring import check_overlap, sorted_groups
 
@@ -310,7 +311,13 @@ class _LatticeGroup:
 
     def _take(self, i: int, exp) -> None:
         job, _, it = self.members[i]
-        it.hyps = exp.nbest(job.payload.weights, it.n)
+        w = job.payload.weights
+        it.hyps = exp.nbest(w, it.n)
+        if it.hyps:
+            try:  # a forward-backward and an alignment: about what expanding the lattice with an n-gram costs
+                it.transcript = decode_lattice(exp, w, it.hyps[0].words)
+            except SmallstateError as e:
+                self._failed(i, e)
         it.lm_steps = exp.stats.lm_rows
         self.worker.models.expanded(exp.stats.expanded_arcs)
         self.accounted.add(i)

@@ -23,6 +23,7 @@ from ..schemas import (
     ScoreResponse,
     SentenceScore,
     TokenLogprobs,
+    Transcript,
     Usage,
     UtteranceResult,
     WeightsOut,
@@ -51,7 +52,11 @@ def rescore_response(result: Result, body: RescoreRequest) -> Response:
     for u in result.items:
         token_logprobs = body.return_token_logprobs and u.source == "hypotheses"  # lattices have none
         hyps = [_hypothesis(h, token_logprobs) for h in u.hypotheses]
-        utterances.append(UtteranceResult(id=u.utt, source=u.source, best=hyps[0], hypotheses=hyps))
+        optional = {}  # left unset, the transcript stays out of a list's JSON
+        if u.transcript is not None:
+            optional["transcript"] = Transcript(decode=result.weights.decode, words=u.transcript.words,
+                                                confidences=u.transcript.confidences)
+        utterances.append(UtteranceResult(id=u.utt, source=u.source, best=hyps[0], hypotheses=hyps, **optional))
     return _json(RescoreResponse(utterances=utterances, weights=WeightsOut(**dataclasses.asdict(result.weights)),
                                  usage=Usage(**dataclasses.asdict(result.counts))))
 
