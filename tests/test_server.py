@@ -481,7 +481,11 @@ def test_lattice_transcripts_with_confidences_match_the_cli(server, tmp_path, ti
         out = r.json()
         assert out["weights"]["decode"] == decode and out["weights"]["posterior_scale"] > 0
         *lats, listed = out["utterances"]
-        assert "transcript" not in listed  # hypothesis lists have none
+        assert "transcript" not in listed  # hypothesis lists have none: their best has its words' confidences
+        conf = listed["best"]["confidences"]
+        assert len(conf) == len(listed["best"]["words"]) and all(0.0 <= c <= 1.0 for c in conf)
+        assert conf == listed["hypotheses"][0]["confidences"]
+        assert all("confidences" not in h for h in listed["hypotheses"][1:])
         for u in lats:
             t = u["transcript"]
             assert t["decode"] == decode and len(t["confidences"]) == len(t["words"])

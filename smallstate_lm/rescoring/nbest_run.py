@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from ..lms import load_lms
 from ..weights import Weights
 from .nbest import Components, ScoreStats, apply_weights, compute_components
+from .nbest_confidence import with_confidences
 from .nbest_import import ImportOptions, read_nbest_inputs
 from .nbest_io import Utterance, write_nbest_jsonl, write_text
 from .wer import ErrorCounts, write_wer_report
@@ -70,10 +71,11 @@ def rescore_nbest_files(inputs: Sequence[Path], opts: ImportOptions, scoring: NB
                         out: Path, refs: dict[str, list[str]] | None = None,
                         on_note: Callable[[str], None] | None = None) -> NBestRunSummary:
     """Rescore n-best inputs under `weights` into `out`: nbest.jsonl (every hypothesis, best first, with its
-    components), best.txt and, with `refs`, wer.txt against the first pass's choice."""
+    components; the best one with its word confidences), best.txt and, with `refs`, wer.txt against the first
+    pass's choice."""
     utts, _ = read_nbest_inputs(inputs, opts, on_note)
     comps, stats = score_nbest(utts, scoring)
-    ranked = apply_weights(utts, comps, weights)
+    ranked = with_confidences(apply_weights(utts, comps, weights), weights)
     best = {u.utt: u.hyps[0].words for u in ranked}
     write_nbest_jsonl(out / "nbest.jsonl", ranked)  # first: it refuses non-finite scores, before best.txt exists
     write_text(out / "best.txt", best)

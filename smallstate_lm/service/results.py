@@ -13,6 +13,7 @@ import numpy as np
 
 from smallstate_lm.rescoring.lattice_decode import Decoded
 from smallstate_lm.rescoring.nbest import Components, apply_weights
+from smallstate_lm.rescoring.nbest_confidence import list_confidences
 from smallstate_lm.scoring import Weights, count_oov
 
 from .batcher import Job
@@ -39,6 +40,7 @@ class RankedHypothesis:
     n_words: int
     n_oov: int
     expected_errors: float | None = None  # under MBR
+    confidences: list[float] | None = None  # per word: the best hypothesis of a list
     neural_tok: list[float] | None = None  # per token (words + </s>), when asked for
     ngram_tok: list[float] | None = None
 
@@ -141,6 +143,8 @@ def _ranked_list(models: Models, it: NbestItem, w: Work) -> tuple[RankedUtteranc
     """The list ranked under the request's weights, cut to its nbest; and how many it had."""
     c = _strip_context(models, it)
     ranked = apply_weights([it.plain], [c], w.weights)[0].hyps
+    confidences = list_confidences([h.words for h in ranked], np.array([h.scores["total"] for h in ranked]),
+                                   w.weights.posterior_scale)
     out = []
     for h in ranked[: w.nbest]:
         j = int(h.id)
@@ -149,6 +153,8 @@ def _ranked_list(models: Models, it: NbestItem, w: Work) -> tuple[RankedUtteranc
             r.neural_tok = c.neural_tok[j].tolist() if c.neural_tok is not None else None
             r.ngram_tok = c.ngram_tok[j].tolist() if c.ngram_tok is not None else None
         out.append(r)
+    if out:
+        out[0].confidences = confidences
     return RankedUtterance(it.plain.utt, "hypotheses", out), len(ranked)
 
 

@@ -161,6 +161,9 @@ class ScoredHypothesis(BaseModel):
     n_oov: int
     expected_errors: Optional[float] = Field(None, description="Under MBR (mbr_scale > 0): expected word errors "
                                              "of this hypothesis against the list's posterior.")
+    confidences: Optional[list[float]] = Field(None, description="A list's best hypothesis: each word's confidence "
+                                               "in [0, 1], the probability under softmax(posterior_scale * total) "
+                                               "of the hypotheses that say it in its place (lattices: `transcript`).")
     token_logprobs: Optional[TokenLogprobs] = None
 
 

@@ -77,6 +77,8 @@ def _hypothesis(h: RankedHypothesis, token_logprobs: bool) -> ScoredHypothesis:
     optional: dict[str, Any] = {}  # left unset, these fields stay out of the JSON
     if h.expected_errors is not None:
         optional["expected_errors"] = h.expected_errors
+    if h.confidences is not None:
+        optional["confidences"] = h.confidences
     if token_logprobs:
         optional["token_logprobs"] = TokenLogprobs(neural=h.neural_tok, ngram=h.ngram_tok)
     return ScoredHypothesis(id=h.id, words=h.words, rank=h.rank, total=h.total, am=h.am, graph=h.graph,

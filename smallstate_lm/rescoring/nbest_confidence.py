@@ -1,0 +1,52 @@
+"""Word confidences for an n-best list's best hypothesis: each word's posterior, the probability under
+softmax(scale * total) over the list of the hypotheses that say that word in its place once aligned
+to the best one (Levenshtein alignment). The list's analogue of a lattice word's posterior in its
+slot (lattice_decode.py); the same `posterior_scale` sets the posterior's sharpness."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import kaldialign
+import numpy as np
+
+from ..weights import Weights
+from .nbest_io import Utterance
+
+_GAP = "\x00"  # never a word: words have no whitespace and no NUL reaches here from the readers
+
+
+def list_confidences(words: Sequence[Sequence[str]], totals: np.ndarray, scale: float, best: int = 0) -> list[float]:
+    """The confidence in [0, 1] of each word of hypothesis `best` of the list `words` (scored `totals`, natural
+    log) under the posterior softmax(scale * totals)."""
+    ref = list(words[best])
+    if not ref:
+        return []
+    z = scale * np.asarray(totals, dtype=np.float64)
+    post = np.exp(z - z.max())
+    post /= post.sum()
+    conf = np.zeros(len(ref))
+    for j, hyp in enumerate(words):
+        if post[j] == 0.0:
+            continue
+        if j == best or list(hyp) == ref:
+            conf += post[j]
+            continue
+        i = 0
+        for r, h in kaldialign.align(ref, list(hyp), _GAP):
+            if r == _GAP:
+                continue  # an insertion: no word of the best one
+            if r == h:
+                conf[i] += post[j]
+            i += 1
+    return np.clip(conf, 0.0, 1.0).tolist()
+
+
+def with_confidences(ranked: Sequence[Utterance], w: Weights) -> list[Utterance]:
+    """`ranked` (apply_weights' output: best first, `total` in each hypothesis's scores) with the word confidences
+    of each list's best hypothesis set (`Hypothesis.confidences`)."""
+    for u in ranked:
+        if u.hyps:
+            totals = np.array([h.scores["total"] for h in u.hyps])
+            u.hyps[0].confidences = list_confidences([h.words for h in u.hyps], totals, w.posterior_scale)
+    return list(ranked)
