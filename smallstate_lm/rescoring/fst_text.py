@@ -32,6 +32,25 @@ def _parse_cost(s: str, where: str) -> tuple[float, float]:
 
 
 
+def _label_id(label: str, symbols: SymbolTable) -> int | None:
+    """An output label's word id: an integer id of `symbols` (0: epsilon) or a symbol (fstprint with a symbol
+    table); None when `symbols` has neither."""
+    try:
+        w = int(label)
+        return w if w == 0 or symbols.has_id(w) else None
+    except ValueError:
+        w = symbols._id.get(label, -1)
+        return w if w >= 0 else None
+
+
+def _final_weights(num_states: int, states, graph, acoustic) -> tuple[np.ndarray, np.ndarray]:
+    """Per-state final graph and acoustic costs: those given for `states`, inf (not final) elsewhere."""
+    fg = np.full(num_states, np.inf)
+    fa = np.full(num_states, np.inf)
+    fg[states], fa[states] = graph, acoustic
+    return fg, fa
+
+
 @dataclass
 class _FstTextLines:
     """What the lines of an OpenFST text form say, checked line by line: arcs (A,) and final weights."""
@@ -78,13 +97,8 @@ class _FstTextLines:
 
     def _arc(self, parts: list[str], s: int, d: int, where: str) -> None:
         label, symbols = parts[3], self.symbols
-        try:
-            w = int(label)
-            known = w == 0 or symbols.has_id(w)
-        except ValueError:  # symbolic labels (fstprint with a symbol table)
-            w = symbols._id.get(label, -1)
-            known = w >= 0
-        if not known:
+        w = _label_id(label, symbols)
+        if w is None:
             raise LatticeFormatError(f"{where}: label {label} is not in the symbol table ({len(symbols)} symbols)")
         gc, acc = _parse_cost(parts[4], where) if len(parts) == 5 else (0.0, 0.0)
         if not (math.isfinite(gc) and math.isfinite(acc)):
@@ -100,10 +114,8 @@ class _FstTextLines:
         if self.first is None:
             raise LatticeFormatError(f"{name}: empty lattice (no arcs and no final states)")
         S = self.max_state + 1
-        fg = np.full(S, np.inf)
-        fa = np.full(S, np.inf)
-        for s, (gc, acc) in self.finals.items():
-            fg[s], fa[s] = gc, acc
+        fg, fa = _final_weights(S, np.fromiter(self.finals, dtype=np.int64, count=len(self.finals)),
+                                [gc for gc, _ in self.finals.values()], [acc for _, acc in self.finals.values()])
         return Lattice(
             name=name, num_states=S, start=self.first,
             src=np.asarray(self.src, dtype=np.int64), dst=np.asarray(self.dst, dtype=np.int64),
@@ -204,19 +216,12 @@ def _from_columns(c: FstTextColumns, symbols: SymbolTable, name: str) -> Lattice
     """The lattice of `c`; None when a label is not in `symbols` (the line-by-line reader names the line)."""
     ids = {}
     for label in set(c.labels):
-        try:
-            w = int(label)
-            known = w == 0 or symbols.has_id(w)
-        except ValueError:  # symbolic labels (fstprint with a symbol table)
-            w = symbols._id.get(label, -1)
-            known = w >= 0
-        if not known:
+        w = _label_id(label, symbols)
+        if w is None:
             return None
         ids[label] = w
     S = c.max_state + 1
-    fg = np.full(S, np.inf)
-    fa = np.full(S, np.inf)
-    fg[c.final_state], fa[c.final_state] = c.final_graph, c.final_acoustic
+    fg, fa = _final_weights(S, c.final_state, c.final_graph, c.final_acoustic)
     word = np.fromiter(map(ids.__getitem__, c.labels), dtype=np.int64, count=len(c.labels))
     return Lattice(name=name, num_states=S, start=c.first, src=c.src, dst=c.dst, word=word, graph=c.graph,
                    acoustic=c.acoustic, final_graph=fg, final_acoustic=fa, symbols=symbols)
