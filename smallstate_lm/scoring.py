@@ -349,12 +349,12 @@ def trie_size(seqs: Sequence[Sequence[int]]) -> TreeSize:
 
 def trie_sizes(ids: np.ndarray, lens: np.ndarray, lists: np.ndarray, n_lists: int,
                end: int | None = None) -> list[TreeSize]:
-    """The prefix-trie size of each of many lists of sequences, in one set of array operations (a request of
-    256 n-best lists in ~10 ms): from the sequences sorted, each adds its length less the prefix it shares
-    with the one before, and is a leaf unless the next one extends it. `ids` holds every sequence's tokens
-    one after another, `lens` their lengths, `lists` the list (0 .. n_lists - 1) each sequence belongs to; `end`, when given, is a token
-    appended to every sequence. Sequences of different lists never share a prefix: the list is a first,
-    never-equal-across-lists column of the sorted table."""
+    """The prefix-trie size of each of many lists of sequences, in one set of array operations (a request
+    of 256 n-best lists in ~10 ms): from the sequences sorted, each adds its length less the prefix it
+    shares with the one before, and is a leaf unless the next one extends it. `ids` holds every sequence's
+    tokens one after another, `lens` their lengths, `lists` the list (0 .. n_lists - 1) each sequence
+    belongs to; `end`, when given, is a token appended to every sequence. Sequences of different lists
+    never share a prefix: the list is a first, never-equal-across-lists column of the sorted table."""
     lens = np.asarray(lens, dtype=np.int64)
     n = len(lens)
     sizes = [TreeSize(1, 0, 0, 0, 1)] * n_lists
