@@ -13,7 +13,7 @@ import numpy as np
 from ..weights import Weights
 from .nbest_io import Utterance
 
-_GAP = "\x00"  # never a word: words have no whitespace and no NUL reaches here from the readers
+_GAP = " "  # never a word: every reader and the service split words on whitespace
 
 
 def list_confidences(words: Sequence[Sequence[str]], totals: np.ndarray, scale: float, best: int = 0) -> list[float]:
