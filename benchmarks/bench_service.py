@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
                     help="torch threads per server (default: 1 on CPU, where the client and two servers share the "
                     "cores and spinning intra-op threads cost more than they give on small batches)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", default="fp32", help="the servers' --precision (fp32, bf16, fp16); other than "
+                    "fp32 the section is bench_service-DEVICE-PRECISION")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--abuse", action="store_true", help="the abuse run instead of batching on vs off")
     ap.add_argument("--requests", type=int, default=2000, help="--abuse: requests in the mixed run")
@@ -102,8 +104,9 @@ def run_batching(args: argparse.Namespace) -> None:
               "small 5-best": build_requests(args.nbest, 5, args.utts)}
     logs = ROOT / "runs" / "bench_service"
     logs.mkdir(parents=True, exist_ok=True)
-    servers = {True: ServerProcess(args, True, logs / "batching-on.log"),
-               False: ServerProcess(args, False, logs / "batching-off.log")}
+    precision = (f"precision={args.precision}",)
+    servers = {True: ServerProcess(args, True, logs / "batching-on.log", precision),
+               False: ServerProcess(args, False, logs / "batching-off.log", precision)}
     results: dict[tuple[str, int, bool], dict] = {}
     try:
         for s in servers.values():
@@ -126,7 +129,8 @@ def run_batching(args: argparse.Namespace) -> None:
     body = batching_report(args, shapes, results)
     print(body)
     if not args.no_write:
-        write_section(f"bench_service-{'cuda' if args.device.startswith('cuda') else 'cpu'}", body, Path(args.doc))
+        name = f"bench_service-{'cuda' if args.device.startswith('cuda') else 'cpu'}"
+        write_section(name if args.precision == "fp32" else f"{name}-{args.precision}", body, Path(args.doc))
 
 
 def batching_report(args: argparse.Namespace, shapes: dict, results: dict) -> str:
@@ -144,7 +148,8 @@ def batching_report(args: argparse.Namespace, shapes: dict, results: dict) -> st
     big = results[("dev 50-best", cmax, True)]["rps"] / results[("dev 50-best", cmax, False)]["rps"]
     target = 3.0 if dev.startswith("cuda") else 1.5
     return "\n".join([
-        f"## bench_service: POST /rescore under load, dynamic batching on vs off, {dev}",
+        f"## bench_service: POST /rescore under load, dynamic batching on vs off, {dev}"
+        + ("" if args.precision == "fp32" else f", precision {args.precision}"),
         "",
         f"- Machine: {machine()}",
         f"- Command: `{command()}`",

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The project's GPU check, in about 6 minutes on one GPU: the CUDA tests, then bench_forward, bench_nbest,
-# bench_lattice --breakdown and bench_service on the device, every table and log written under OUT_DIR
-# (a copy of docs/benchmarks.md with the device's sections rewritten, plus one log per step). Run it
-# whenever a GPU is available; CI has none.
+# The project's GPU check, in about 7 minutes on one GPU: the CUDA tests, then bench_forward, bench_nbest,
+# bench_lattice --breakdown, bench_service, bench_inference_precision and bench_service in bf16 on the
+# device, every table and log written under OUT_DIR (a copy of docs/benchmarks.md with the device's
+# sections rewritten, plus one log per step). Run it whenever a GPU is available; CI has none.
 #
 #   bash benchmarks/gpu_suite.sh OUT_DIR [--device cuda] [--data DIR] [--ngram FILE] [--lattices DIR]
 #
@@ -97,6 +97,13 @@ if $py -c "import kenlm" 2>/dev/null && [ -r "$ngram" ]; then
         --ngram "$ngram" --lattices "$lattices"/*.lat.fst --words "$words" --weights lattices/weights.json --doc "$doc"
     step bench_service 150 $py benchmarks/bench_service.py --device "$device" --lm models/bible-small \
         --ngram "$ngram" --nbest "${nbest[@]}" --concurrency 1 "$concurrency" --seconds 5 --doc "$doc"
+    # reduced precision: speed, agreement with fp32 and dev WER (n-best lists, and the dev lattices of
+    # DATA/dev/festival_*/fst when they are there); then the service in bf16 at the top concurrency
+    step bench_precision 150 $py benchmarks/bench_inference_precision.py --device "$device" --lm models/bible-small \
+        --ngram "$ngram" --data "$data" --doc "$doc"
+    step bench_service_bf16 90 $py benchmarks/bench_service.py --device "$device" --precision bf16 \
+        --lm models/bible-small --ngram "$ngram" --nbest "${nbest[@]}" --concurrency "$concurrency" --seconds 5 \
+        --doc "$doc"
 else
     echo "== bench_lattice, bench_service: SKIPPED (needs the kenlm module and a readable --ngram $ngram)" \
         | tee -a "$summary"

@@ -342,7 +342,7 @@ def percentile(xs: list[float], q: float) -> float:
 def run_abuse(args: argparse.Namespace) -> None:
     from smallstate_lm.service.settings import Settings
 
-    settings = [*ABUSE_SETTINGS, *args.settings]
+    settings = [*ABUSE_SETTINGS, f"precision={args.precision}", *args.settings]
     server_settings = Settings.from_env(assignments=settings)  # as the server reads them (it inherits our environment)
     n_heavy = round(args.requests * args.heavy_share)
     small = [("small", r) for r in build_requests(args.nbest, 5, args.utts)[0]]

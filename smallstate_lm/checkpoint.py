@@ -177,10 +177,15 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | os.PathLike, device: str | torch.device = "cpu", default_file: str = MODEL_FILE
+    path: str | os.PathLike, device: str | torch.device = "cpu", default_file: str = MODEL_FILE,
+    precision: str = "fp32",
 ) -> LoadedModel:
-    """Rebuild the exact saved model in eval mode and `self_check` it; every failure is a
+    """Rebuild the exact saved model in eval mode, its weights cast to `precision` (fp32, bf16,
+    fp16), and `self_check` it in that precision (fp16 overflow shows there); every failure is a
     CheckpointError naming the file."""
+    from .device import pick_dtype
+
+    dtype = pick_dtype(precision)
     path, obj = read_checkpoint(path, default_file)
     try:
         cfg = ModelConfig.from_dict(dict(obj["config"]))
@@ -196,7 +201,7 @@ def load_model(
     except RuntimeError as e:
         first = str(e).strip().splitlines()
         raise CheckpointError(f"{path}: weights do not match the config ({' '.join(first[:2])[:300]})") from None
-    model.to(device).eval()
+    model.to(device=device, dtype=dtype).eval()
     extra = {k: v for k, v in obj.items() if k not in ("config", "vocab", "model", DIGEST_KEY)}
     loaded = LoadedModel(model=model, vocab=vocab, config=cfg, path=path, extra=extra)
     self_check(loaded)
@@ -219,5 +224,8 @@ def self_check(loaded: LoadedModel) -> None:
         model.train(was_training)
     if not bool(torch.isfinite(logp).all()):
         values = ", ".join(f"{x:.3g}" for x in logp[0].tolist())
+        dtype = next(model.parameters()).dtype
+        why = ("broken weights?" if dtype == torch.float32 else
+               f"the weights in {str(dtype).removeprefix('torch.')} overflow? try --precision fp32 or bf16")
         raise CheckpointError(f"{loaded.path}: the model's log-probabilities of {' '.join(SELF_CHECK_WORDS)!r} "
-                              f"are not finite ({values}); expected finite scores (broken weights?)")
+                              f"are not finite ({values}); expected finite scores ({why})")

@@ -15,3 +15,16 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available")
     return torch.device(name)
+
+
+# Inference precisions: the weights (and so the LM state) are cast to this dtype after loading;
+# the output normaliser and every returned log-prob stay float32 (output.py casts the logits).
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_dtype(precision: str) -> torch.dtype:
+    """The dtype of an inference precision name (fp32, bf16, fp16); anything else is a ConfigError."""
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}") from None

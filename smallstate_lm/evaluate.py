@@ -73,11 +73,11 @@ def interpolate(neural: np.ndarray, ngram: np.ndarray) -> dict:
 
 
 def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device: str = "cpu",
-                  batch_tokens: int = 8192, ngram: str | os.PathLike | None = None) -> dict:
+                  batch_tokens: int = 8192, ngram: str | os.PathLike | None = None, precision: str = "fp32") -> dict:
     """Everything `smallstate-lm eval` reports, as a JSON-able dict. With `ngram` (a
     KenLM file), also the n-gram's perplexity on the same tokens and the linear
     interpolation of the two with the best weight."""
-    lm = load_model(model_path, device)
+    lm = load_model(model_path, device, precision=precision)
     sentences = read_sentences(text)
     stats = EncodeStats()
     seqs = encode_sentences(sentences, lm.vocab, stats)
@@ -116,6 +116,7 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         "state_bytes_per_position": numel * elem,
         "state_numel_fixed": lm.model.state_numel_fixed(),
         "device": str(device),
+        "precision": precision,
         # model-specific facts, e.g. the learned attention spans per layer
         "model_report": lm.model.report(),
         "interpolation": mix,

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 
 def load_lms(lm: str | Path | None, ngram: str | Path | None, device: "str | torch.device" = "auto",
-             required: bool = True) -> tuple["LoadedModel | None", "NgramLM | None"]:
-    """(the neural LM on `device` or None, the n-gram or None). `required`: at least one must be named.
+             required: bool = True, precision: str = "fp32") -> tuple["LoadedModel | None", "NgramLM | None"]:
+    """(the neural LM on `device` in `precision` or None, the n-gram or None). `required`: at least one
+    must be named.
     The neural LM is checked on its device as it loads (a bad checkpoint fails here, naming its path)."""
     from .ngram import NgramLM
 
@@ -28,5 +29,5 @@ def load_lms(lm: str | Path | None, ngram: str | Path | None, device: "str | tor
         from .checkpoint import load_model
         from .device import pick_device
 
-        loaded = load_model(lm, pick_device(device) if isinstance(device, str) else device)
+        loaded = load_model(lm, pick_device(device) if isinstance(device, str) else device, precision=precision)
     return loaded, (NgramLM(ngram) if ngram is not None else None)

@@ -84,6 +84,51 @@ def test_neural_scorer_on_cuda_matches_cpu(share, cap):
             np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
 
 
+HALF_TOL = {"bf16": 0.05, "fp16": 0.01}  # as tests/test_precision.py: near-uniform log-probs of a tiny model
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+@torch.no_grad()
+def test_reduced_precision_on_cuda_keeps_incremental_equals_full(variant, precision):
+    from smallstate_lm.device import PRECISIONS
+
+    name, kv, extra = variant
+    torch.manual_seed(0)
+    cpu = build_model(shrunk(name, kv, **extra)).eval()
+    gpu = build_model(shrunk(name, kv, **extra)).eval()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.to(device=DEV, dtype=PRECISIONS[precision])
+    tokens = torch.randint(0, V, (3, 11))
+    want, _ = cpu.score(tokens, cpu.initial_state(3))
+    full, _ = gpu.score(tokens.to(DEV), gpu.initial_state(3))
+    state, parts = gpu.initial_state(3), []
+    for t in range(tokens.shape[1]):
+        lp, state = gpu.score(tokens[:, t : t + 1].to(DEV), state)
+        parts.append(lp)
+    assert full.dtype == torch.float32
+    assert (torch.cat(parts, 1) - full).abs().max().item() <= HALF_TOL[precision]
+    assert (full.cpu() - want).abs().max().item() <= HALF_TOL[precision]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("share", [False, True], ids=["padded", "tree"])
+def test_neural_scorer_in_reduced_precision_on_cuda_matches_fp32_cpu(share, precision):
+    from smallstate_lm.device import PRECISIONS
+
+    vocab, groups = _hypotheses(5)
+    torch.manual_seed(0)
+    model = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    want = NeuralScorer(model, vocab, "cpu", share_prefixes=share).token_logprobs(groups)
+    half = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    half.load_state_dict(model.state_dict())
+    half.to(device=DEV, dtype=PRECISIONS[precision])
+    got = NeuralScorer(half, vocab, DEV, share_prefixes=share).token_logprobs(groups)
+    for w_utt, g_utt in zip(want, got):
+        for w, g in zip(w_utt, g_utt):
+            np.testing.assert_allclose(g, w, atol=HALF_TOL[precision], rtol=0)
+
+
 def test_training_on_cuda_under_bf16_autocast_loads_on_cpu(small_corpus, tmp_path):
     from smallstate_lm.train import TrainConfig, train
 

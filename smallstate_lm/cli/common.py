@@ -56,6 +56,16 @@ def note(message: str) -> None:
     typer.echo(f"note: {message}", err=True)
 
 
+PRECISION = typer.Option("fp32", "--precision", help="Neural LM weights and state: fp32, bf16 or fp16 (the "
+                         "softmax and log-probs stay float32; bf16/fp16 pay on GPUs and CPUs with matrix units).")
+
+
+def check_precision(precision: str) -> None:
+    """Refuse an unknown precision before any model loads (torch is not imported for it)."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
+
+
 # Options of the n-best inputs, shared by rescore and tune (rescoring/nbest_import.py, docs/nbest-inputs.md).
 NBEST_FORMAT = typer.Option("auto", "--nbest-format", help="N-best inputs: auto (by content and layout), tsv, "
                             "jsonl, json, espnet (inference dir), nemo (beam-search candidates TSV), kaldi "

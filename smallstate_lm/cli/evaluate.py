@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import set_threads
+from .common import PRECISION, check_precision, set_threads
 
 
 def eval_(
@@ -18,15 +18,17 @@ def eval_(
     ngram: Optional[Path] = typer.Option(None, "--ngram", help="Also a KenLM n-gram: its perplexity on the same "
                                          "tokens and the linear interpolation of both with the best weight."),
     device: str = typer.Option("cpu"),
+    precision: str = PRECISION,
     batch_tokens: int = typer.Option(8192),
     threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
 ):
     """Perplexity, speed, parameters and state size of a trained LM."""
+    check_precision(precision)
     set_threads(threads)
     from ..device import pick_device
     from ..evaluate import evaluate_file
 
-    r = evaluate_file(model, text, str(pick_device(device)), batch_tokens, ngram)
+    r = evaluate_file(model, text, str(pick_device(device)), batch_tokens, ngram, precision)
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
@@ -35,7 +37,7 @@ def eval_(
     typer.echo(f"perplexity       {r['perplexity']:.2f} over {r['tokens']:,} tokens")
     typer.echo(f"OOV words        {r['oov_words']:,} ({100 * r['oov_rate']:.2f}%)")
     typer.echo(f"convention       {r['convention']}")
-    typer.echo(f"speed            {r['tokens_per_second']:,.0f} tokens/s on {r['device']}")
+    typer.echo(f"speed            {r['tokens_per_second']:,.0f} tokens/s on {r['device']} in {r['precision']}")
     typer.echo(f"state/position   {r['state_numel_per_position']:,} numbers, "
                f"{r['state_bytes_per_position']:,} bytes")
     if r["state_numel_fixed"]:

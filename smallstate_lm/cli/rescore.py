@@ -8,7 +8,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import ConfigError
-from .common import AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, load_weights, note
+from .common import (AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, PRECISION, check_precision,
+                     load_weights, note)
 
 
 def rescore(
@@ -34,6 +35,7 @@ def rescore(
     refs: Optional[Path] = typer.Option(None, "--refs", help="Reference text `utt w1 w2 ...` for WER."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory."),
     device: str = typer.Option("auto"),
+    precision: str = PRECISION,
     batch_tokens: int = typer.Option(8192),
     no_prefix_sharing: bool = typer.Option(False, "--no-prefix-sharing",
                                            help="Score each hypothesis as its own padded row."),
@@ -76,6 +78,7 @@ def rescore(
     from ..rescoring.nbest_io import read_text
 
     check_output_dir(out, ConfigError)
+    check_precision(precision)
     sources, lattices = classify_inputs(inputs)
     direct = {"lm_weight": lm_weight, "ngram_weight": ngram_weight, "word_penalty": word_penalty,
               "mbr_scale": mbr_scale, "decode": decode, "posterior_scale": posterior_scale}
@@ -94,7 +97,7 @@ def rescore(
         outputs = RunOptions(nbest, ctm=CtmOptions(frame_shift, subsampling_factor) if ctm else None,
                              archive_text=archive_text)
         _rescore_lattices(sources, LatticeRun(words, lm, ngram, w, expand, outputs, device, jobs, ray, ray_actors,
-                                              progress=not quiet), out, ref)
+                                              progress=not quiet, precision=precision), out, ref)
         return
     if ray is not None:
         raise ConfigError("--ray rescores lattice files; n-best lists are rescored locally")
@@ -105,7 +108,8 @@ def rescore(
     from ..rescoring.nbest_run import NBestScoring, rescore_nbest_files
 
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
-    scoring = NBestScoring(lm, ngram, device, batch_tokens, not no_prefix_sharing, progress=not quiet)
+    scoring = NBestScoring(lm, ngram, device, batch_tokens, not no_prefix_sharing, progress=not quiet,
+                           precision=precision)
     typer.echo(rescore_nbest_files(inputs, opts, scoring, w, out, ref, note).line())
 
 

@@ -19,6 +19,8 @@ def serve(
     host: Optional[str] = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, "--port", help="TCP port (default 8000)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N (default auto)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Neural LM weights and state: fp32, bf16 "
+                                            "or fp16 (default fp32; log-probs stay float32)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for PyTorch (default: all cores)."),
     batching: Optional[bool] = typer.Option(None, "--batching/--no-batching", help="Dynamic batching (default on)."),
     set_: List[str] = typer.Option([], "--set", help="Any other setting key=value, e.g. --set max_wait_ms=10 "
@@ -30,6 +32,6 @@ def serve(
 
     options = {"lm": str(lm) if lm else None, "ngram": str(ngram) if ngram else None,
                "weights": str(weights) if weights else None, "host": host, "port": port, "device": device,
-               "threads": threads, "batching": batching}
+               "precision": precision, "threads": threads, "batching": batching}
     settings = Settings.from_env(assignments=set_, **options)
     run_server(settings)

@@ -10,7 +10,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import ConfigError
-from .common import AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, load_weights, note
+from .common import (AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, PRECISION, check_precision,
+                     load_weights, note)
 
 
 def tune(
@@ -44,6 +45,7 @@ def tune(
                                          "mbr or viterbi,mbr (MBR kept only where it makes fewer dev errors); the "
                                          "posterior scale is chosen with it [default: viterbi]."),
     device: str = typer.Option("auto"),
+    precision: str = PRECISION,
     batch_tokens: int = typer.Option(8192),
     quiet: bool = typer.Option(False),
 ):
@@ -53,6 +55,7 @@ def tune(
     from ..rescoring.tune import plot_surface, surface_text
     from ..rescoring.tune_run import tune_search
 
+    check_precision(precision)
     base = load_weights(weights, set_)
     if interpolation is not None:
         base = dataclasses.replace(base, interpolation=interpolation)
@@ -74,7 +77,7 @@ def tune(
 
         plan = dataclasses.replace(plan, decodes=parse_decodes(decode or "viterbi"))
         run = LatticeRun(words, lm, ngram, expand=ExpandConfig(max_ngram_order=None if exact else max_ngram_order),
-                         device=device, progress=not quiet)
+                         device=device, progress=not quiet, precision=precision)
         r, n = tune_lattice_files(lattices, run, refs, plan)
         typer.echo(surface_text(r))
         for line in r.decode_choice.lines(r.ref_words) if r.decode_choice is not None else []:
@@ -92,7 +95,7 @@ def tune(
     from ..rescoring.tune_run import tune_nbest_files
 
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
-    scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet)
+    scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet, precision=precision)
     r, n = tune_nbest_files(nbest, opts, scoring, refs, plan, note)
     typer.echo(surface_text(r))
     if r.mbr_errors is not None:

@@ -19,7 +19,7 @@ class RescoreJob:
     or on another node of a shared filesystem): the decoder's words.txt (None for HTK SLF lattices), a
     neural LM run directory or checkpoint and/or a KenLM file, weights and expansion settings, the number
     of distinct word sequences to keep per lattice, whether to keep the rescored lattices, the CTM's options
-    (None: no CTM) and whether rescored Kaldi archives are written as text."""
+    (None: no CTM), whether rescored Kaldi archives are written as text, and the neural LM's precision."""
 
     words: str | None
     lm: str | None
@@ -30,6 +30,7 @@ class RescoreJob:
     write_lattices: bool = True
     ctm: CtmOptions | None = None
     archive_text: bool = False
+    precision: str = "fp32"
 
     def __post_init__(self):
         if self.lm is None and self.ngram is None:
@@ -43,5 +44,5 @@ class RescoreJob:
 def load_rescorer(job: RescoreJob, device: str = "cpu") -> LatticeRescorer:
     """Load the job's LMs on `device` (cpu, cuda, cuda:N) into a LatticeRescorer; torch is imported only
     for a neural LM (an n-gram-only worker starts in a tenth of the time)."""
-    loaded, ngram = load_lms(job.lm, job.ngram, device)
+    loaded, ngram = load_lms(job.lm, job.ngram, device, precision=job.precision)
     return build_rescorer(job.weights, loaded, ngram, job.config)

@@ -51,9 +51,9 @@ def lattice_symbols(words: Path | None, sources: Sequence[ResolvedInput]) -> Sym
 
 
 def build_lattice_rescorer(lm: Path | None, ngram: Path | None, weights: Weights, config: ExpandConfig,
-                           device: str = "auto") -> LatticeRescorer:
+                           device: str = "auto", precision: str = "fp32") -> LatticeRescorer:
     """The LMs named by path (as the user gave them: errors name them so), loaded into a rescorer."""
-    loaded, ng = load_lms(lm, ngram, device)
+    loaded, ng = load_lms(lm, ngram, device, precision=precision)
     return build_rescorer(weights, loaded, ng, config)
 
 
@@ -61,7 +61,7 @@ def build_lattice_rescorer(lm: Path | None, ngram: Path | None, weights: Weights
 class LatticeRun:
     """A lattice-rescoring run: the decoder's words.txt (None where every input is HTK SLF), the LMs by path
     (a neural LM run directory or checkpoint and/or a KenLM file), the weights, the expansion's settings, what
-    is written besides best.txt (`outputs`), the LMs' device, and where the work runs: `jobs` local CPU worker
+    is written besides best.txt (`outputs`), the LMs' device and the neural LM's precision, and where the work runs: `jobs` local CPU worker
     processes, or the Ray cluster at `ray` ('local', 'auto', HOST:PORT) with at most `ray_actors` workers."""
 
     words: Path | None = None
@@ -75,6 +75,7 @@ class LatticeRun:
     ray: str | None = None
     ray_actors: int | None = None
     progress: bool = True
+    precision: str = "fp32"
 
 
 OnError = Callable[[Path, str], None]
@@ -89,7 +90,7 @@ def rescore_lattice_run(sources: Sequence[ResolvedInput], run: LatticeRun, out: 
         return _on_ray(sources, run, out, refs, on_error)
     if run.jobs > 1:
         return _on_local_pool(sources, run, symbols, out, refs, on_error)
-    rescorer = build_lattice_rescorer(run.lm, run.ngram, run.weights, run.expand, run.device)
+    rescorer = build_lattice_rescorer(run.lm, run.ngram, run.weights, run.expand, run.device, run.precision)
     return rescore_lattice_files(sources, symbols, rescorer, out, refs, run.outputs, progress=run.progress,
                                  on_error=on_error)
 
@@ -102,7 +103,7 @@ def _worker_job(run: LatticeRun):
     words, lm, ngram = (str(p.resolve()) if p else None for p in (run.words, run.lm, run.ngram))
     o = run.outputs
     return RescoreJob(words, lm, ngram, weights=run.weights, config=run.expand, nbest=o.nbest,
-                      write_lattices=o.write_lattices, ctm=o.ctm, archive_text=o.archive_text)
+                      write_lattices=o.write_lattices, ctm=o.ctm, archive_text=o.archive_text, precision=run.precision)
 
 
 def _on_local_pool(sources, run: LatticeRun, symbols, out, refs, on_error) -> LatticeRunSummary:

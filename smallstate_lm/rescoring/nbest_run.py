@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class NBestScoring:
     """The LMs that score the hypotheses, by path: a neural LM run directory or checkpoint and/or a KenLM
-    file (at least one); the neural LM's `device` and padded tokens per forward (`batch_tokens`);
+    file (at least one); the neural LM's `device`, `precision` and padded tokens per forward (`batch_tokens`);
     `prefix_sharing` False scores each hypothesis as its own padded row; `progress` shows a bar."""
 
     lm: Path | None = None
@@ -33,11 +33,12 @@ class NBestScoring:
     batch_tokens: int = 8192
     prefix_sharing: bool = True
     progress: bool = True
+    precision: str = "fp32"
 
 
 def load_scorers(scoring: NBestScoring) -> tuple[NeuralScorer | None, NgramLM | None]:
     """The neural scorer (None without --lm) and the n-gram (None without --ngram)."""
-    loaded, ngram = load_lms(scoring.lm, scoring.ngram, scoring.device)
+    loaded, ngram = load_lms(scoring.lm, scoring.ngram, scoring.device, precision=scoring.precision)
     if loaded is None:
         return None, ngram
     from ..scoring import NeuralScorer  # torch: only for a neural LM

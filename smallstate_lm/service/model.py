@@ -70,7 +70,7 @@ class Models:
                                           max_level_bytes=s.max_level_bytes)
         # the neural LM self-checks on this device as it loads (finite log-probs of a fixed sentence): a model
         # that fails raises CheckpointError here, and the service never becomes ready
-        self.loaded, self.ngram = load_lms(s.lm, s.ngram, self.device, required=False)
+        self.loaded, self.ngram = load_lms(s.lm, s.ngram, self.device, required=False, precision=s.precision)
         if self.loaded is not None:
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
@@ -120,6 +120,7 @@ class Models:
             "neural": neural_info,
             "ngram": {"name": _name(s.ngram), "order": int(self.ngram.order)} if self.ngram else None,
             "device": str(self.device),
+            "precision": s.precision if self.loaded is not None else None,
             "weights": dataclasses.asdict(self.weights),
             "lattice": {**dataclasses.asdict(self.expand_config), "default_nbest": s.lattice_nbest},
             "batching": {"enabled": s.batching, "batch_tokens": self.neural.batch_tokens if self.neural else None,

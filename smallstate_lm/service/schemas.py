@@ -263,6 +263,8 @@ class ModelsResponse(BaseModel):
     neural: Optional[NeuralInfo]
     ngram: Optional[NgramInfo]
     device: str
+    precision: Optional[str] = Field(None, description="The neural LM's weights and state: fp32, bf16 or fp16 "
+                                     "(log-probs are float32 whatever it is); null without a neural LM.")
     weights: WeightsOut = Field(..., description="Default weights.")
     lattice: dict = Field(..., description="Lattice expansion settings.")
     batching: dict

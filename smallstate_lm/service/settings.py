@@ -26,6 +26,8 @@ class Settings:
     ngram: str | None = None  # KenLM ARPA or binary
     weights: str | None = None  # weights.json (from `smallstate-lm tune`): the default Weights
     device: str = "auto"  # auto, cpu, cuda, cuda:N
+    # the neural LM's weights and state: fp32, bf16 or fp16 (log-probs and the softmax stay float32)
+    precision: str = "fp32"
     threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
     # Padded tokens per forward pass within a merged batch; None: 8192 on CUDA, 512 on CPU, where padding
     # costs as much as real tokens and smaller, evenly filled passes are faster.
@@ -96,6 +98,8 @@ class Settings:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms", "max_request_seconds"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"setting {name} must be positive and finite, got {getattr(self, name)}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"setting precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.beam <= 0:
             raise ConfigError(f"setting beam must be > 0, got {self.beam}")
         if self.threads is not None and self.threads < 1:
