@@ -183,7 +183,7 @@ def load_model(
     """Rebuild the exact saved model in eval mode, its weights cast to `precision` (fp32, bf16,
     fp16), and `self_check` it in that precision (fp16 overflow shows there); every failure is a
     CheckpointError naming the file."""
-    from .device import pick_dtype
+    from .device import pick_dtype, settle_attention_backend
 
     dtype = pick_dtype(precision)
     path, obj = read_checkpoint(path, default_file)
@@ -202,6 +202,7 @@ def load_model(
         first = str(e).strip().splitlines()
         raise CheckpointError(f"{path}: weights do not match the config ({' '.join(first[:2])[:300]})") from None
     model.to(device=device, dtype=dtype).eval()
+    settle_attention_backend(torch.device(device), dtype)
     extra = {k: v for k, v in obj.items() if k not in ("config", "vocab", "model", DIGEST_KEY)}
     loaded = LoadedModel(model=model, vocab=vocab, config=cfg, path=path, extra=extra)
     self_check(loaded)

@@ -111,6 +111,12 @@ def test_reduced_precision_on_cuda_keeps_incremental_equals_full(variant, precis
     assert (full.cpu() - want).abs().max().item() <= HALF_TOL[precision]
 
 
+def test_a_reduced_precision_model_on_cuda_keeps_attention_off_cudnn(tiny_lm_dir):
+    """cuDNN attention builds a graph per new shape, and scoring's shapes change with every call."""
+    load_model(tiny_lm_dir, device=DEV, precision="bf16")
+    assert not (DEV.startswith("cuda") and torch.backends.cuda.cudnn_sdp_enabled())
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("share", [False, True], ids=["padded", "tree"])
 def test_neural_scorer_in_reduced_precision_on_cuda_matches_fp32_cpu(share, precision):
