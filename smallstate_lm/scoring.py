@@ -165,6 +165,8 @@ class NeuralScorer:
         self.max_work_bytes = max_work_bytes
         self.tokens_total = 0
         self.tokens_computed = 0
+        self.path_costs: PathCosts | None = None  # set by choose_paths
+        self.calls_padded = 0  # calls scored as padded rows by that choice
 
     def encode(self, words: Sequence[str]) -> list[int]:
         """Word ids followed by `</s>`; OOVs become `<unk>`."""
@@ -177,22 +179,8 @@ class NeuralScorer:
         encoded = [[self.encode(h) for h in hyps] for hyps in groups]
         out: list[list[np.ndarray]] = [[None] * len(h) for h in encoded]  # type: ignore[list-item]
         self.model.eval()
-        if not self.share_prefixes:
-            flat = [(u, j, seq) for u, hyps in enumerate(encoded) for j, seq in enumerate(hyps)]
-            flat.sort(key=lambda x: len(x[2]))
-            i = 0
-            while i < len(flat):
-                n = 1
-                while i + n < len(flat) and (n + 1) * len(flat[i + n][2]) <= self.batch_tokens:
-                    n += 1
-                chunk = flat[i : i + n]
-                seqs = [c[2] for c in chunk]
-                lp, _ = self._score_rows(seqs, None, None)
-                for (u, j, seq), row in zip(chunk, lp):
-                    out[u][j] = row[: len(seq)]
-                self.tokens_total += sum(len(s) for s in seqs)
-                self.tokens_computed += sum(len(s) for s in seqs)
-                i += n
+        if not self.share_prefixes or not self._tree_pays(encoded):
+            self._score_padded(encoded, out)
             return out
         if self.use_tree:
             self._score_trees(encoded, out)
@@ -208,6 +196,46 @@ class NeuralScorer:
             self._score_group(encoded[start:end], out[start:end])
             start = end
         return out
+
+    def _score_padded(self, encoded, out) -> None:
+        """Every hypothesis as its own row, rows of similar length batched within `batch_tokens`."""
+        flat = [(u, j, seq) for u, hyps in enumerate(encoded) for j, seq in enumerate(hyps)]
+        flat.sort(key=lambda x: len(x[2]))
+        i = 0
+        while i < len(flat):
+            n = 1
+            while i + n < len(flat) and (n + 1) * len(flat[i + n][2]) <= self.batch_tokens:
+                n += 1
+            chunk = flat[i : i + n]
+            seqs = [c[2] for c in chunk]
+            lp, _ = self._score_rows(seqs, None, None)
+            for (u, j, seq), row in zip(chunk, lp):
+                out[u][j] = row[: len(seq)]
+            self.tokens_total += sum(len(s) for s in seqs)
+            self.tokens_computed += sum(len(s) for s in seqs)
+            i += n
+
+    def choose_paths(self, rounds: int = 3) -> PathCosts:
+        """Time tree attention and padded rows on this device (a fraction of a second) and, from then on,
+        score each call the way predicted faster for its hypotheses: prefix sharing computes fewer tokens,
+        but where kernel launches rather than arithmetic bound the time (a GPU with a small model) padded
+        rows can be faster all the same. The choice only moves the numbers by float rounding."""
+        self.path_costs = None
+        if self.share_prefixes and self.use_tree:
+            self.path_costs = measure_path_costs(self, rounds)
+        return self.path_costs
+
+    def _tree_pays(self, encoded) -> bool:
+        """Whether prefix sharing is predicted faster than padded rows for these hypotheses (always, until
+        `choose_paths` has measured both)."""
+        costs = self.path_costs
+        if costs is None:
+            return True
+        nodes = sum(trie_size(hyps).total_nodes for hyps in encoded)
+        tokens = sum(len(s) for hyps in encoded for s in hyps)
+        pays = costs.prefers_tree(nodes, tokens)
+        self.calls_padded += not pays
+        return pays
 
     def estimate_cost(self, groups: Sequence[Sequence[Sequence[str]]]) -> WorkCost:
         """What `token_logprobs(groups)` will cost, without running the model: the trie
@@ -338,6 +366,52 @@ class _TreeRow:
     hyps: list[int]
     size: TreeSize
     trie: PrefixTrie | None = None
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """Seconds per trie node of tree attention and per token of padded rows, measured on one device."""
+
+    tree_node_s: float
+    padded_token_s: float
+
+    def prefers_tree(self, nodes: int, tokens: int) -> bool:
+        return nodes * self.tree_node_s <= tokens * self.padded_token_s
+
+
+def measure_path_costs(scorer: "NeuralScorer", rounds: int = 3) -> PathCosts:
+    """Both paths timed on the same lists, shaped like a decoder's n-best output (8 lists of 32 hypotheses
+    of 12 words that share a stem of 4 to 8 words): the fastest of `rounds` runs of each, taken in turns."""
+    import random
+    import time
+
+    rng = random.Random(11)
+    ids = list(range(4, len(scorer.vocab)))
+    encoded = []
+    for _ in range(8):
+        stem = [rng.choice(ids) for _ in range(8)]
+        hyps = []
+        for _ in range(32):
+            cut = rng.randint(4, 8)
+            hyps.append(stem[:cut] + [rng.choice(ids) for _ in range(12 - cut)] + [EOS_ID])
+        encoded.append(hyps)
+    nodes = sum(trie_size(hyps).total_nodes for hyps in encoded)
+    tokens = sum(len(s) for hyps in encoded for s in hyps)
+    sync = torch.cuda.synchronize if scorer.device.type == "cuda" else (lambda: None)
+    best = [float("inf"), float("inf")]
+    counts = scorer.tokens_total, scorer.tokens_computed
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # the first round warms kernels and caches
+            for k, run in enumerate((scorer._score_trees, scorer._score_padded)):
+                out = [[None] * len(h) for h in encoded]
+                sync()
+                t = time.perf_counter()
+                run(encoded, out)
+                sync()
+                if r:
+                    best[k] = min(best[k], time.perf_counter() - t)
+    scorer.tokens_total, scorer.tokens_computed = counts
+    return PathCosts(best[0] / nodes, best[1] / tokens)
 
 
 def trie_size(seqs: Sequence[Sequence[int]]) -> TreeSize:

@@ -84,6 +84,23 @@ def test_neural_scorer_on_cuda_matches_cpu(share, cap):
             np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
 
 
+def test_path_choice_on_cuda_matches_cpu():
+    """The scorer measures both paths on the device (as the service and rescore do on CUDA) and gives the CPU's
+    numbers whichever it takes."""
+    vocab, groups = _hypotheses(9)
+    torch.manual_seed(0)
+    model = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    want = NeuralScorer(model, vocab, "cpu").token_logprobs(groups)
+    model_gpu = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    model_gpu.load_state_dict(model.state_dict())
+    scorer = NeuralScorer(model_gpu.to(DEV), vocab, DEV)
+    costs = scorer.choose_paths(rounds=1)
+    assert costs.tree_node_s > 0 and costs.padded_token_s > 0
+    for w_utt, g_utt in zip(want, scorer.token_logprobs(groups)):
+        for w, g in zip(w_utt, g_utt):
+            np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
+
+
 HALF_TOL = {"bf16": 0.05, "fp16": 0.01}  # as tests/test_precision.py: near-uniform log-probs of a tiny model
 
 

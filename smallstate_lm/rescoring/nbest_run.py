@@ -44,7 +44,10 @@ def load_scorers(scoring: NBestScoring) -> tuple[NeuralScorer | None, NgramLM | 
     from ..scoring import NeuralScorer  # torch: only for a neural LM
 
     device = next(loaded.model.parameters()).device
-    return NeuralScorer(loaded.model, loaded.vocab, device, scoring.batch_tokens, scoring.prefix_sharing), ngram
+    scorer = NeuralScorer(loaded.model, loaded.vocab, device, scoring.batch_tokens, scoring.prefix_sharing)
+    if device.type == "cuda":  # on a GPU tree attention can lose to padded rows: measure both (on a CPU it wins)
+        scorer.choose_paths()
+    return scorer, ngram
 
 
 def score_nbest(utts: Sequence[Utterance], scoring: NBestScoring) -> tuple[list[Components], ScoreStats]:

@@ -75,6 +75,8 @@ class Models:
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
                                        s.share_prefixes)
+            if self.device.type == "cuda":  # tree attention can lose to padded rows on a GPU: measure both
+                self.neural.choose_paths()
         with torch.inference_mode():
             self.cost = calibrate(self.neural, self.ngram)
         log.info("cost model on %s: %s", self.device, self.cost)
@@ -126,7 +128,10 @@ class Models:
             "batching": {"enabled": s.batching, "batch_tokens": self.neural.batch_tokens if self.neural else None,
                          "max_batch_tokens": s.max_batch_tokens, "max_wait_ms": s.max_wait_ms,
                          "wait_for_arrivals": s.wait_for_arrivals,
-                         "max_queue": s.max_queue, "slice_ms": s.slice_ms},
+                         "max_queue": s.max_queue, "slice_ms": s.slice_ms,
+                         # on CUDA: seconds per trie node (tree attention) and per padded token, measured at start
+                         "path_costs": dataclasses.asdict(self.neural.path_costs)
+                         if self.neural is not None and self.neural.path_costs is not None else None},
             "cost_model": dataclasses.asdict(self.cost),
         }
         if self.metrics is not None:
