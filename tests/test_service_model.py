@@ -85,3 +85,37 @@ def test_a_request_lattice_is_prepared_once(models, monkeypatch):
     parsed = parse_lattice(body, "utterances[0].lattice", "u0", 100_000)
     [(_, exp)] = list(models.rescorer(Weights(), parsed.num_arcs).expand_many([parsed]))
     assert exp.nbest(Weights(), 1) and names == ["u0"]
+
+
+def test_lists_are_refused_before_they_are_built_with_the_prediction_make_work_makes(models, monkeypatch):
+    """A request's hypothesis lists are checked against its deadline from its words alone (before thousands of
+    hypotheses are built, the work of a request refused anyway), with what `make_work` predicts for them."""
+    import random
+
+    from smallstate_lm.service import inputs
+    from smallstate_lm.service.errors import CostLimitError
+    from smallstate_lm.service.inputs import rescore_work
+    from smallstate_lm.service.schemas import RescoreRequest
+
+    words = models.loaded.vocab.words[4:200]
+    rng = random.Random(3)
+    utterances = [{"id": f"u{i}", "context": "in the beginning" if i % 2 else None,
+                   "hypotheses": [{"words": [rng.choice(words) for _ in range(rng.randint(1, 12))],
+                                   "am_score": -1.0, "graph_score": -1.0} for _ in range(rng.randint(1, 40))]}
+                  for i in range(12)]
+    body = RescoreRequest.model_validate({"utterances": utterances})
+    told = []
+    work = rescore_work(body, models, models.s, told.append)
+    assert told == [pytest.approx(work.seconds - work.lattice_seconds, rel=1e-12)] and told[0] > 0
+
+    def refuse(seconds):
+        raise CostLimitError(f"{seconds} s", "utterances", 1.0)
+
+    built = []
+    build = inputs._hypotheses
+    monkeypatch.setattr(inputs, "_hypotheses", lambda *a: built.append(a[1]) or build(*a))
+    with pytest.raises(CostLimitError, match=f"^{told[0]} s$"):
+        rescore_work(body, models, models.s, refuse)
+    assert not built, "no hypothesis was built for a request refused by its prediction"
+    rescore_work(body, models, models.s, told.append)
+    assert len(built) == len(utterances)

@@ -6,6 +6,7 @@ so the routes may run them on any thread."""
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from smallstate_lm.rescoring.fst_text import FstTextColumns, fst_text_columns
 from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
@@ -17,16 +18,21 @@ from .errors import CostLimitError, LimitError, ServiceError
 from .model import Models
 from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
 from .settings import Settings
-from .work import LatticeItem, NbestItem, Work, make_work, nbest_item, prepared, request_weights
+from .work import LatticeItem, NbestItem, Work, lists_seconds, make_work, nbest_item, prepared, request_weights
 
 
-def rescore_work(body: RescoreRequest, models: Models, s: Settings) -> Work:
+def rescore_work(body: RescoreRequest, models: Models, s: Settings,
+                 check_lists: Callable[[float], None] | None = None) -> Work:
+    """The request's work. `check_lists(seconds)`, when given, is told what its hypothesis lists are predicted
+    to take before they are built (a request the deadline refuses anyway costs a fraction of its building)."""
     if len(body.utterances) > s.max_utterances:
         raise LimitError(f"{len(body.utterances)} utterances, more than the limit of {s.max_utterances} "
                          f"(max_utterances)", "utterances", s.max_utterances)
     if body.nbest is not None and body.nbest > s.max_nbest:
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
     weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
+    if check_lists is not None:
+        _check_lists_early(body, models, s, check_lists)
     items: list[NbestItem | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
@@ -51,6 +57,24 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings) -> Work:
     work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
     _check_cost(work, "utterances", s)
     return work
+
+
+def _check_lists_early(body: RescoreRequest, models: Models, s: Settings, check: Callable[[float], None]) -> None:
+    """The request's hypothesis lists predicted as `make_work` will predict them, from the request's words (any
+    context first), and told to `check`. Lists over a count limit are left to `_hypotheses`, which names them."""
+    lists = []
+    for u in body.utterances:
+        if u.hypotheses is None:
+            continue
+        if len(u.hypotheses) > s.max_hypotheses:
+            return
+        context = u.context.split() if u.context else []
+        seqs = [context + (h.words if h.words is not None else h.text.split()) for h in u.hypotheses]
+        if len(context) > s.max_words or any(len(q) > s.max_words + len(context) for q in seqs):
+            return
+        lists.append(seqs)
+    if lists:
+        check(lists_seconds(models, lists))
 
 
 def _check_cost(work: Work, field: str, s: Settings) -> None:

@@ -137,24 +137,21 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
     """A request's work with its token counts (the tokens its hypotheses have, the ones a
     prefix-sharing scorer computes), lattice arcs, and predicted seconds and bytes."""
     work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest, token_logprobs=token_logprobs)
-    neural, cm = models.neural is not None, models.cost
+    neural = models.neural is not None
     lattice_bytes = []
-    sizes = _trie_sizes(models, [it for it in items if isinstance(it, NbestItem)])
+    lists = [it for it in items if isinstance(it, NbestItem)]
+    sizes = dict(zip(map(id, lists), _trie_sizes(models, [[h.words for h in it.scored.hyps] for it in lists])))
     for it, field in zip(items, fields):
         if isinstance(it, LatticeItem):
             lattice_bytes.append(_estimate_lattice(models, it, field))
             work.lattice_arcs += it.lattice.num_arcs
             work.lattice_seconds += it.seconds
         else:
-            tokens, nbytes = _estimate_list(models, it, sizes)
+            tokens, nbytes = _estimate_list(models, it, sizes.get(id(it)))
             work.tokens_total += tokens
             work.nbytes = max(work.nbytes, nbytes)
             work.tokens_computed += it.cost if neural else 0
-            # lists scored whole share their calls with the request's other lists (and the batch's)
-            work.seconds += it.seconds - (cm.call_s if neural and it.seconds <= models.step_s else 0.0)
-    if neural and any(isinstance(it, NbestItem) for it in items):
-        work.seconds += cm.call_s
-    work.seconds += work.lattice_seconds
+    work.seconds = _lists_seconds(models, [it.seconds for it in lists]) + work.lattice_seconds
     # lattices are expanded expand_config.batch_lattices at a time
     together = models.expand_config.lattices_per_batch(neural)
     work.nbytes = max(work.nbytes, sum(sorted(lattice_bytes)[-together:]))
@@ -172,40 +169,60 @@ def _estimate_lattice(models: Models, it: LatticeItem, field: str) -> int:
     return est.nbytes
 
 
-def _estimate_list(models: Models, it: NbestItem, sizes: dict[int, TreeSize]) -> tuple[int, int]:
+def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tuple[int, int]:
     """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
-    tokens and predicted peak bytes. `sizes`: the tries of the request's lists (`_trie_sizes`)."""
+    tokens and predicted peak bytes. `size`: its trie's (`_trie_sizes`; None unless the scorer shares prefixes)."""
     seqs = [h.words for h in it.scored.hyps]
-    tokens = sum(len(s) + 1 for s in seqs)
-    it.cost, it.depth = tokens, max(len(s) + 1 for s in seqs)
-    nbytes = 0
-    neural = models.neural
-    if neural is not None:
-        if neural.use_tree and neural.share_prefixes:
-            size = sizes[id(it)]  # before any work: no model call
-            it.cost, nbytes = size.total_nodes, _tree_bytes(models, size)
-        else:  # scored level by level or padded: the scorer's own estimate
-            it.cost, nbytes = neural.estimate_cost([seqs])
-    it.seconds = models.cost.nbest_seconds(it.cost, it.depth, tokens, neural is not None, models.ngram is not None,
-                                           models.step_s)
+    tokens, it.cost, it.depth, nbytes, it.seconds = _list_estimate(models, seqs, size)
     return tokens, nbytes
 
 
-def _trie_sizes(models: Models, items: list[NbestItem]) -> dict[int, TreeSize]:
-    """The size of the prefix trie the scorer builds over each list (by `id` of the item; none unless the scorer
-    shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""
+def _list_estimate(models: Models, seqs: list[list[str]], size: TreeSize | None) -> tuple[int, int, int, int, float]:
+    """(tokens, neural LM tokens computed, depth, peak bytes, predicted seconds) of a list of word sequences as
+    the LMs see them, before any work (no model call)."""
+    tokens = sum(len(s) + 1 for s in seqs)
+    cost, depth, nbytes = tokens, max(len(s) + 1 for s in seqs), 0
     neural = models.neural
-    if neural is None or not (neural.use_tree and neural.share_prefixes) or not items:
-        return {}
-    seqs = [h.words for it in items for h in it.scored.hyps]
+    if neural is not None:
+        if size is not None:
+            cost, nbytes = size.total_nodes, _tree_bytes(models, size)
+        else:  # scored level by level or padded: the scorer's own estimate
+            cost, nbytes = neural.estimate_cost([seqs])
+    seconds = models.cost.nbest_seconds(cost, depth, tokens, neural is not None, models.ngram is not None,
+                                        models.step_s)
+    return tokens, cost, depth, nbytes, seconds
+
+
+def _lists_seconds(models: Models, seconds: list[float]) -> float:
+    """A request's hypothesis lists together, from each one's predicted seconds: lists scored whole share their
+    calls with the request's other lists (and the batch's)."""
+    if models.neural is None or not seconds:
+        return sum(seconds)
+    call_s = models.cost.call_s
+    return sum(x - (call_s if x <= models.step_s else 0.0) for x in seconds) + call_s
+
+
+def lists_seconds(models: Models, lists: list[list[list[str]]]) -> float:
+    """What `make_work` will predict for hypothesis lists given as word sequences (as the LMs see them: any
+    context words first), without building them: a request's cheapest prediction, for refusing it early."""
+    sizes = _trie_sizes(models, lists)
+    return _lists_seconds(models, [_list_estimate(models, seqs, size)[4] for seqs, size in zip(lists, sizes)])
+
+
+def _trie_sizes(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
+    """The size of the prefix trie the scorer builds over each list of word sequences (all None unless the
+    scorer shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""
+    neural = models.neural
+    if neural is None or not (neural.use_tree and neural.share_prefixes) or not lists:
+        return [None] * len(lists)
+    seqs = list(itertools.chain.from_iterable(lists))
     words = list(itertools.chain.from_iterable(seqs))
     distinct = list(set(words))
     ids = dict(zip(distinct, neural.vocab.encode(distinct)))
     flat = np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
     lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    which = np.repeat(np.arange(len(items)), [len(it.scored.hyps) for it in items])
-    sizes = trie_sizes(flat, lens, which, len(items), end=EOS_ID)
-    return {id(it): size for it, size in zip(items, sizes)}
+    which = np.repeat(np.arange(len(lists)), list(map(len, lists)))
+    return trie_sizes(flat, lens, which, len(lists), end=EOS_ID)
 
 
 def _tree_bytes(models: Models, size: TreeSize) -> int:

@@ -12,7 +12,7 @@ from ..schemas import ErrorResponse, ModelsResponse, RescoreRequest, RescoreResp
 from .bodies import off_loop, read_body
 from .errors import ERRORS
 from .responses import answer, rescore_response, score_response
-from .state import Service
+from .state import Service, deadline_check
 
 INLINE_WORDS = 1000  # words (roughly) a request may have to be prepared on the event loop
 INLINE_HYPOTHESES = 100  # and hypotheses its answer may have to be built there too (~0.5 ms)
@@ -33,7 +33,8 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         lattice = any(u.lattice is not None for u in body.utterances)
         words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
         inline = not lattice and words <= INLINE_WORDS
-        work = await off_loop(inline, rescore_work, body, svc.models, svc.settings)
+        work = await off_loop(inline, rescore_work, body, svc.models, svc.settings,
+                              deadline_check(request, timeout, "utterances"))
         result = await svc.submit(work, request, timeout)
         inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
         return await answer(svc, inline, lambda: rescore_response(result, body), size)

@@ -208,13 +208,8 @@ class Service:
         took so far. A request of one slice is always let in (small requests never wait for long ones),
         and so is a long one on an idle worker: its own estimate is checked above, as far as it is
         reliable."""
-        field = "sentences" if work.kind == "score" else "utterances"
-        lists = work.seconds - work.lattice_seconds
-        if lists * HEADROOM > remaining:
-            raise CostLimitError(f"the request's hypothesis lists would take about {lists:.1f} s on this server "
-                                 f"(predicted by its cost model), more than its deadline allows ({remaining:.1f} s "
-                                 f"left of {timeout:g} s, of which the worker shares a part with other requests)",
-                                 field, timeout)
+        check_lists(work.seconds - work.lattice_seconds, remaining, timeout,
+                    "sentences" if work.kind == "score" else "utterances")
         own = job.seconds
         if not job.long:
             return
@@ -224,6 +219,23 @@ class Service:
             raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and this request "
                               f"about {own:.1f} s, more than its deadline allows ({remaining:.1f} s left); retry "
                               "later", retry_after=max(1, math.ceil(backlog)))
+
+
+def check_lists(lists: float, remaining: float, timeout: float, field: str) -> None:
+    """413 for hypothesis lists predicted to take `lists` seconds when `remaining` seconds are left of the
+    request's deadline of `timeout`: they must fit with room for the requests that share the worker."""
+    if lists * HEADROOM > remaining:
+        raise CostLimitError(f"the request's hypothesis lists would take about {lists:.1f} s on this server "
+                             f"(predicted by its cost model), more than its deadline allows ({remaining:.1f} s "
+                             f"left of {timeout:g} s, of which the worker shares a part with other requests)",
+                             field, timeout)
+
+
+def deadline_check(request: Request, timeout: float, field: str):
+    """`check_lists` for this request at the moment it is called: for refusing hypothesis lists while they are
+    prepared, before the work of building them (its deadline counts from the request's arrival)."""
+    deadline = request.scope.get(T0, time.perf_counter()) + timeout
+    return lambda lists: check_lists(lists, deadline - time.perf_counter(), timeout, field)
 
 
 async def _disconnected(receive) -> None:
