@@ -119,3 +119,30 @@ def test_lists_are_refused_before_they_are_built_with_the_prediction_make_work_m
     assert not built, "no hypothesis was built for a request refused by its prediction"
     rescore_work(body, models, models.s, told.append)
     assert len(built) == len(utterances)
+
+
+def test_lattices_stop_being_parsed_once_their_predicted_seconds_pass_the_limit(models, monkeypatch):
+    import dataclasses
+
+    from smallstate_lm.service import inputs
+    from smallstate_lm.service.cost import lattice_shape
+    from smallstate_lm.service.errors import CostLimitError
+    from smallstate_lm.service.schemas import RescoreRequest
+
+    lat = _lattices()[0]
+    one = models.cost.lattice(lattice_shape(lat, models.s.max_per_state), models.expand_config.max_level_bytes,
+                              True, True).seconds
+    rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]  # words as labels, as a client sends
+    text = "\n".join("\t".join(r[:2] + [lat.symbols.word(int(r[2]))] * 2 + r[4:]) if len(r) == 5 else "\t".join(r)
+                     for r in rows) + "\n"
+    body = RescoreRequest.model_validate({"utterances": [
+        {"id": f"u{i}", "lattice": {"format": "openfst-text", "data": text}} for i in range(6)]})
+    parsed = []
+    parse = inputs.parse_lattice
+    monkeypatch.setattr(inputs, "parse_lattice", lambda *a: parsed.append(a[1]) or parse(*a))
+    limit = dataclasses.replace(models.s, max_request_seconds=2.5 * one)
+    with pytest.raises(CostLimitError) as e:
+        inputs.rescore_work(body, models, limit)
+    assert e.value.field == "utterances[2].lattice" and "max_request_seconds" in str(e.value)
+    assert parsed == [f"utterances[{i}].lattice" for i in range(3)], "the last three were never parsed"
+    inputs.rescore_work(body, models, dataclasses.replace(models.s, max_request_seconds=6.5 * one))

@@ -36,6 +36,7 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings,
     items: list[NbestItem | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
+    lattice_s = 0.0  # and their predicted seconds: over the limit, the rest of the request need not be parsed
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
@@ -52,6 +53,13 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings,
                                      f"(estimated from their arcs and paths), more than the limit of "
                                      f"{s.max_lattice_cost} (max_lattice_cost)", f"{where}.lattice",
                                      s.max_lattice_cost)
+            lattice_s += models.cost.lattice(shape, models.expand_config.max_level_bytes, models.neural is not None,
+                                             models.ngram is not None).seconds
+            if lattice_s > s.max_request_seconds:
+                raise CostLimitError(f"the request's lattices up to {where} alone would take up to {lattice_s:.1f} s "
+                                     f"on this server (predicted by its cost model), more than the limit of "
+                                     f"{s.max_request_seconds:g} s (max_request_seconds)", f"{where}.lattice",
+                                     s.max_request_seconds)
             items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest, shape=shape))
         fields.append(where)
     work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
