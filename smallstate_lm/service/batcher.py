@@ -123,11 +123,8 @@ class BatchLimits:
 
 class Batcher:
     def __init__(self, work: WorkFn, limits: BatchLimits = BatchLimits(), metrics: Metrics | None = None,
-                 arriving: Callable[[], int] | None = None, on_idle: Callable[[int], None] | None = None,
-                 preparing: Callable[[], int] | None = None):
+                 arriving: Callable[[], int] | None = None, on_idle: Callable[[int], None] | None = None):
         self.work = work
-        # large request bodies being parsed and sized now: the worker gives way to them (see `_give_way`)
-        self.preparing = preparing
         self.on_idle = on_idle  # called with the cost of the batches finished since the worker was last idle
         self._cost_since_idle = 0
         self.arriving = arriving  # None: always wait max_wait_s for company
@@ -249,23 +246,7 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._give_way()
             await self._turn()
-
-    async def _give_way(self) -> None:
-        """While large bodies are being prepared, wait (at most a slice) before the next slice of work. Their
-        threads share the interpreter and the cores with the worker: a body that is to be refused at once would
-        otherwise take the worker's pace, several times its own ~50 ms. At most a slice per turn, and a turn runs
-        at least one step: a stream of large bodies slows the worker, never stops it."""
-        if self.preparing is None or not self.preparing() or self._closing:
-            return
-        end = time.perf_counter() + self.slice_s
-        while self.preparing() and not self._closing and (left := end - time.perf_counter()) > 0:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), min(left, 0.005))
-            except asyncio.TimeoutError:
-                pass
 
     async def _turn(self) -> None:
         """One slice of work of one class, the classes by turns when both have work: small requests (each
@@ -345,9 +326,7 @@ class Batcher:
         try:
             # a small request queued meanwhile is turned to after the current step of a long batch, not after
             # its whole slice
-            preparing = self.preparing or (lambda: 0)
-            waiting = ((lambda: preparing() > 0 or any(not self._is_long(j) for j in self._queue)) if run.long
-                       else (lambda: preparing() > 0))
+            waiting = (lambda: any(not self._is_long(j) for j in self._queue)) if run.long else (lambda: False)
             done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s, waiting)
         except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
             log.exception("batch of %d request(s) failed", len(run.jobs))

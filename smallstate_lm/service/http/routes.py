@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..inputs import rescore_work, score_work
 from ..schemas import ErrorResponse, ModelsResponse, RescoreRequest, RescoreResponse, ScoreRequest, ScoreResponse
-from .bodies import decode_body, off_loop, read_raw
+from .bodies import off_loop, read_body
 from .errors import ERRORS
 from .responses import answer, rescore_response, score_response
 from .state import Service, deadline_check
@@ -29,16 +29,12 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         """Rescore n-best lists and/or lattices; per utterance the hypotheses ranked by total (natural log).
         Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
         timeout = svc.timeout(request)
-        raw = await read_raw(request)
-        size = len(raw)
-        with svc.preparing_body(size):
-            body = await decode_body(raw, RescoreRequest)
-            del raw
-            lattice = any(u.lattice is not None for u in body.utterances)
-            words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
-            inline = not lattice and words <= INLINE_WORDS
-            work = await off_loop(inline, rescore_work, body, svc.models, svc.settings,
-                                  deadline_check(request, timeout, "utterances"))
+        body, size = await read_body(request, RescoreRequest)
+        lattice = any(u.lattice is not None for u in body.utterances)
+        words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
+        inline = not lattice and words <= INLINE_WORDS
+        work = await off_loop(inline, rescore_work, body, svc.models, svc.settings,
+                              deadline_check(request, timeout, "utterances"))
         result = await svc.submit(work, request, timeout)
         inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
         return await answer(svc, inline, lambda: rescore_response(result, body), size)
@@ -48,13 +44,9 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         """Natural-log probability, token count and perplexity of sentences under each loaded LM.
         Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
         timeout = svc.timeout(request)
-        raw = await read_raw(request)
-        size = len(raw)
-        with svc.preparing_body(size):
-            body = await decode_body(raw, ScoreRequest)
-            del raw
-            inline = sum(_words(None, t) for t in body.sentences) <= INLINE_WORDS
-            work = await off_loop(inline, score_work, body, svc.models, svc.settings)
+        body, size = await read_body(request, ScoreRequest)
+        inline = sum(_words(None, t) for t in body.sentences) <= INLINE_WORDS
+        work = await off_loop(inline, score_work, body, svc.models, svc.settings)
         result = await svc.submit(work, request, timeout)
         inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
         return await answer(svc, inline, lambda: score_response(result, body), size)

@@ -5,7 +5,6 @@ admission that refuses, before any work, a request whose answer cannot come in t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import math
@@ -25,7 +24,6 @@ from ..results import Result
 from ..settings import Settings
 from ..work import Work, warmup_work
 from ..worker import Worker
-from .bodies import INLINE_BYTES
 
 log = logging.getLogger("smallstate_lm.service")
 ARRIVAL = "smallstate.arriving"  # scope key: the request is counted in Service.arriving
@@ -54,13 +52,12 @@ class Service:
         self.models = Models(settings, self.metrics)
         self.worker = Worker(self.models, self.metrics)
         self.arriving = 0  # scoring requests received, not yet queued (see ArrivalMiddleware)
-        self.preparing = 0  # large bodies being parsed and sized now (see preparing_body)
         limits = BatchLimits(batching=settings.batching, max_batch_cost=settings.max_batch_tokens,
                              max_wait_s=settings.max_wait_ms / 1000, max_queue=settings.max_queue,
                              slice_s=settings.slice_ms / 1000)
         self.batcher = Batcher(self.worker.run_batch, limits, metrics=self.metrics,
                                arriving=(lambda: self.arriving) if settings.wait_for_arrivals else None,
-                               on_idle=self._idle, preparing=lambda: self.preparing)
+                               on_idle=self._idle)
         self.ready = False
         self.draining = False
         self.failed: str | None = None  # why the model may not serve, once known
@@ -139,22 +136,6 @@ class Service:
         """Why a scoring request cannot be served before the service is ready."""
         return Unavailable("the model failed its start-up check" if self.failed else "the model is still loading",
                            retry_after=2)
-
-    @contextlib.contextmanager
-    def preparing_body(self, size: int):
-        """Counts a body of more than INLINE_BYTES while it is parsed and turned into work (on a thread): the
-        worker gives way to it (`Batcher._give_way`), so that a large request refused by its limits or its
-        prediction is refused at the pace of its own preparation. Uploading is not counted: a slow client
-        does not slow the worker."""
-        if size <= INLINE_BYTES:
-            yield
-            return
-        self.preparing += 1
-        try:
-            yield
-        finally:
-            self.preparing -= 1
-            self.batcher.poke()
 
     def timeout(self, request: Request) -> float:
         """The request's time budget in seconds: X-Request-Timeout, at most request_timeout_s."""
