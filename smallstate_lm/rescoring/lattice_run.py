@@ -61,8 +61,9 @@ def build_lattice_rescorer(lm: Path | None, ngram: Path | None, weights: Weights
 class LatticeRun:
     """A lattice-rescoring run: the decoder's words.txt (None where every input is HTK SLF), the LMs by path
     (a neural LM run directory or checkpoint and/or a KenLM file), the weights, the expansion's settings, what
-    is written besides best.txt (`outputs`), the LMs' device and the neural LM's precision, and where the work runs: `jobs` local CPU worker
-    processes, or the Ray cluster at `ray` ('local', 'auto', HOST:PORT) with at most `ray_actors` workers."""
+    is written besides best.txt (`outputs`), the LMs' device and the neural LM's precision, and where the work
+    runs: `jobs` local CPU worker processes, or the Ray cluster at `ray` ('local', 'auto', HOST:PORT) with at
+    most `ray_actors` workers."""
 
     words: Path | None = None
     lm: Path | None = None
