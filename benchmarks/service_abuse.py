@@ -402,7 +402,8 @@ def run_abuse(args: argparse.Namespace) -> None:
                                  slice_ms, shutdown, server_settings)
     print(body)
     if not args.no_write:
-        write_section(f"bench_service-abuse-{'cuda' if args.device.startswith('cuda') else 'cpu'}", body,
+        name = f"bench_service-abuse-{'cuda' if args.device.startswith('cuda') else 'cpu'}"
+        write_section(name if args.precision == "fp32" else f"{name}-{args.precision}", body,
                       Path(args.doc))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -227,6 +227,7 @@ def self_check(loaded: LoadedModel) -> None:
         values = ", ".join(f"{x:.3g}" for x in logp[0].tolist())
         dtype = next(model.parameters()).dtype
         why = ("broken weights?" if dtype == torch.float32 else
-               f"the weights in {str(dtype).removeprefix('torch.')} overflow? try --precision fp32 or bf16")
+               "the weights overflow in fp16? try precision bf16 or fp32" if dtype == torch.float16 else
+               "broken weights, or too coarse in bf16? try precision fp32")
         raise CheckpointError(f"{loaded.path}: the model's log-probabilities of {' '.join(SELF_CHECK_WORDS)!r} "
                               f"are not finite ({values}); expected finite scores ({why})")

@@ -386,7 +386,7 @@ def measure_path_costs(scorer: "NeuralScorer", rounds: int = 3) -> PathCosts:
     import time
 
     rng = random.Random(11)
-    ids = list(range(4, len(scorer.vocab)))
+    ids = list(range(4, len(scorer.vocab))) or [EOS_ID]  # a vocabulary of the specials only: any id will do
     encoded = []
     for _ in range(8):
         stem = [rng.choice(ids) for _ in range(8)]
@@ -397,7 +397,7 @@ def measure_path_costs(scorer: "NeuralScorer", rounds: int = 3) -> PathCosts:
         encoded.append(hyps)
     nodes = sum(trie_size(hyps).total_nodes for hyps in encoded)
     tokens = sum(len(s) for hyps in encoded for s in hyps)
-    sync = torch.cuda.synchronize if scorer.device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(scorer.device)) if scorer.device.type == "cuda" else (lambda: None)
     best = [float("inf"), float("inf")]
     counts = scorer.tokens_total, scorer.tokens_computed
     with torch.inference_mode():

@@ -130,8 +130,15 @@ def test_reduced_precision_on_cuda_keeps_incremental_equals_full(variant, precis
 
 def test_a_reduced_precision_model_on_cuda_keeps_attention_off_cudnn(tiny_lm_dir):
     """cuDNN attention builds a graph per new shape, and scoring's shapes change with every call."""
-    load_model(tiny_lm_dir, device=DEV, precision="bf16")
-    assert not (DEV.startswith("cuda") and torch.backends.cuda.cudnn_sdp_enabled())
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        load_model(tiny_lm_dir, device=DEV, precision="fp32")
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "fp32 leaves torch's choice alone"
+        load_model(tiny_lm_dir, device=DEV, precision="bf16")
+        assert torch.backends.cuda.cudnn_sdp_enabled() == (not DEV.startswith("cuda"))
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import TEST_DATA, run_cli
+from conftest import REPO, TEST_DATA, run_cli
 from test_state_contract import IDS, VARIANTS, V, shrunk
 
 from smallstate_lm.checkpoint import MODEL_FILE, load_model, save_checkpoint
@@ -75,7 +75,7 @@ def test_weights_that_overflow_fp16_are_refused_with_the_way_out(tiny_lm_dir, tm
         lm.model.output.bias[0] = -1e5
     save_checkpoint(tmp_path / MODEL_FILE, lm.model, lm.vocab)
     load_model(tmp_path, precision="fp32")
-    with pytest.raises(CheckpointError, match=r"not finite .*float16 overflow\? try --precision fp32 or bf16"):
+    with pytest.raises(CheckpointError, match=r"not finite .*overflow in fp16\? try precision bf16 or fp32"):
         load_model(tmp_path, precision="fp16")
 
 
@@ -108,3 +108,22 @@ def test_service_settings_take_a_precision():
     assert Settings(precision="bf16").precision == "bf16"
     with pytest.raises(ConfigError, match="setting precision must be fp32, bf16 or fp16"):
         Settings(precision="int8")
+
+
+def test_lattice_rescorers_are_built_in_the_precision_asked(tiny_lm_dir, kenlm_model):
+    from smallstate_lm.rescoring.lattice_expand import ExpandConfig
+    from smallstate_lm.rescoring.lattice_run import build_lattice_rescorer
+    from smallstate_lm.weights import Weights
+
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        r = build_lattice_rescorer(tiny_lm_dir, kenlm_model, Weights(), ExpandConfig(), "cpu", precision)
+        assert next(r.model.parameters()).dtype == dtype
+
+
+def test_tune_on_lattices_takes_a_precision(tiny_lm_dir, kenlm_model, tmp_path):
+    lattices = REPO / "lattices"
+    proc = run_cli("tune", *sorted(lattices.glob("*.lat.fst"))[:3], "--words", lattices / "words.txt", "--refs",
+                   lattices / "ref.txt", "--lm", tiny_lm_dir, "--ngram", kenlm_model, "--device", "cpu",
+                   "--precision", "bf16", "--search", "word_penalty", "-o", tmp_path / "w.json", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "w.json").read_text())["lm_weight"] >= 0

@@ -68,7 +68,7 @@ def tune_lattice_files(sources: Sequence[ResolvedInput], run: LatticeRun, refs: 
     from .lattice_io import lattice_inputs
 
     symbols = lattice_symbols(run.words, sources)
-    rescorer = build_lattice_rescorer(run.lm, run.ngram, search.base, run.expand, run.device)
+    rescorer = build_lattice_rescorer(run.lm, run.ngram, search.base, run.expand, run.device, run.precision)
     lats = [item.load() for item in lattice_inputs(sources, symbols)]
     expanded = [e for _, e in tqdm(rescorer.expand_many(lats), total=len(lats), disable=not run.progress,
                                    desc="expand")]

@@ -75,10 +75,12 @@ class Models:
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
                                        s.share_prefixes)
-            if self.device.type == "cuda":  # tree attention can lose to padded rows on a GPU: measure both
-                self.neural.choose_paths()
         with torch.inference_mode():
             self.cost = calibrate(self.neural, self.ngram)
+        # After the calibration, which so times tree attention itself: the path chosen per call is never the
+        # slower one, and the cost model's predictions stay an upper bound of what the worker takes.
+        if self.neural is not None and self.device.type == "cuda" and s.choose_paths:
+            self.neural.choose_paths()
         log.info("cost model on %s: %s", self.device, self.cost)
         self._describe()
 

@@ -33,6 +33,9 @@ class Settings:
     # costs as much as real tokens and smaller, evenly filled passes are faster.
     batch_tokens: int | None = None
     share_prefixes: bool = True  # score each unique prefix once (trie)
+    # on CUDA: time tree attention and padded rows at start and score each batch the faster way (False: always
+    # tree attention, whose numbers do not depend on the timing or on a batch's company)
+    choose_paths: bool = True
     # ---- lattices (the CLI's defaults) ----------------------------------------------------
     max_ngram_order: int = 4  # histories sharing their last n-1 words merge
     exact: bool = False  # keep full histories instead

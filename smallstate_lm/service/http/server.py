@@ -92,7 +92,7 @@ def _preflight(settings: Settings) -> None:
         from smallstate_lm.checkpoint import load_model
 
         try:
-            load_model(settings.lm)
+            load_model(settings.lm, precision=settings.precision)
         except SmallstateError as e:  # worded as the app's own refusal (`Service.start`) words it
             raise ConfigError(f"the model failed to load or its self-check: {e}") from None
 
