@@ -37,7 +37,7 @@ from smallstate_lm.rescoring.lattice_io import read_fst  # noqa: E402
 from smallstate_lm.rescoring.nbest import compute_components, ranking  # noqa: E402
 from smallstate_lm.rescoring.nbest_io import read_nbest_tsv, read_text  # noqa: E402
 from smallstate_lm.rescoring.tune import DEFAULT_GRID, hypothesis_errors, tune, tune_lattices  # noqa: E402
-from smallstate_lm.rescoring.tune_decode import POSTERIOR_GRID, choose_decode  # noqa: E402
+from smallstate_lm.rescoring.tune_decode import MBR_GRID, POSTERIOR_GRID, choose_decode  # noqa: E402
 from smallstate_lm.rescoring.wer import align_counts  # noqa: E402
 from smallstate_lm.scoring import NeuralScorer, Weights  # noqa: E402
 
@@ -324,7 +324,7 @@ def mbr_section(args, mbr_rows: list[tuple[str, dict]], write_plot: bool) -> str
         "(as there); then on that "
         "half the posterior scale of the best path's confidences is the one with the highest NCE, and the "
         "consensus decode (`rescoring/consensus.py`, Xu et al. 2011) gets the posterior scale of its decision "
-        f"(`mbr_scale`, from {', '.join(f'{s:g}' for s in POSTERIOR_GRID)}) with the fewest errors, its word "
+        f"(`mbr_scale`, from {', '.join(f'{s:g}' for s in MBR_GRID)}) with the fewest errors, its word "
         "penalty searched once more, then the scale of its confidences by NCE (`tune --decode`); the first "
         "pass's confidences (the decoder's lattice alone, graph + acoustic/9.5) get their own scale by NCE "
         "too. \"tune picks\" is `tune --decode viterbi,mbr`: MBR where it made "

@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 
 from smallstate_lm.errors import ConfigError
-from smallstate_lm.rescoring.tune_decode import POSTERIOR_GRID
+from smallstate_lm.rescoring.tune_decode import MBR_GRID, POSTERIOR_GRID
 from smallstate_lm.weights import Weights
 
 LATTICES = Path(__file__).resolve().parent.parent / "lattices"
@@ -83,7 +83,7 @@ def test_tune_chooses_the_decode_and_rescore_reproduces_it(tmp_path, kenlm_model
         assert tuned["decode"] in decodes.split(",") and tuned["posterior_scale"] in POSTERIOR_GRID
         assert "dev_confidence_nce" in tuned
         if decodes == "mbr":
-            assert tuned["decode"] == "mbr" and tuned["mbr_scale"] in POSTERIOR_GRID
+            assert tuned["decode"] == "mbr" and tuned["mbr_scale"] in MBR_GRID
         out = tmp_path / f"out-{decodes}"
         proc = run_cli("rescore", *lats, "--words", WORDS, "--ngram", kenlm_model, "--weights", weights, "--refs",
                        REFS, "-o", out, "--quiet")

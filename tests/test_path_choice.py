@@ -66,3 +66,16 @@ def test_nothing_is_measured_without_prefix_sharing(setup):
     model, vocab, _ = setup
     scorer = NeuralScorer(model, vocab, share_prefixes=False)
     assert scorer.choose_paths() is None and scorer.path_costs is None
+
+
+def test_the_commands_measure_paths_on_cuda_only_and_can_be_told_not_to(tiny_lm_dir, tmp_path):
+    from conftest import TEST_DATA, run_cli
+
+    from smallstate_lm.rescoring.nbest_run import NBestScoring, load_scorers
+
+    scorer, _ = load_scorers(NBestScoring(lm=tiny_lm_dir, device="cpu", progress=False))
+    assert scorer.path_costs is None, "on a CPU tree attention is taken without measuring"
+    proc = run_cli("rescore", TEST_DATA / "nbest.tsv", "--lm", tiny_lm_dir, "--device", "cpu", "--no-path-choice",
+                   "-o", tmp_path / "out", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "best.txt").read_text().strip()

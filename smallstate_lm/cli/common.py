@@ -60,6 +60,12 @@ PRECISION = typer.Option("fp32", "--precision", help="Neural LM weights and stat
                          "softmax and log-probs stay float32; bf16/fp16 pay on GPUs and CPUs with matrix units).")
 
 
+PATH_CHOICE = typer.Option(True, "--path-choice/--no-path-choice", help="N-best lists on CUDA: time tree "
+                           "attention and padded rows first and score each batch the faster way (they agree to float "
+                           "rounding); --no-path-choice always shares prefixes, for numbers that do not depend on a "
+                           "timing.")
+
+
 def check_precision(precision: str) -> None:
     """Refuse an unknown precision before any model loads (torch is not imported for it)."""
     if precision not in ("fp32", "bf16", "fp16"):

@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import ConfigError
-from .common import (AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, PRECISION, check_precision,
-                     load_weights, note)
+from .common import (AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, PATH_CHOICE, PRECISION,
+                     check_precision, load_weights, note)
 
 
 def rescore(
@@ -36,6 +36,7 @@ def rescore(
     out: Path = typer.Option(..., "-o", "--out", help="Output directory."),
     device: str = typer.Option("auto"),
     precision: str = PRECISION,
+    path_choice: bool = PATH_CHOICE,
     batch_tokens: int = typer.Option(8192),
     no_prefix_sharing: bool = typer.Option(False, "--no-prefix-sharing",
                                            help="Score each hypothesis as its own padded row."),
@@ -109,7 +110,7 @@ def rescore(
 
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
     scoring = NBestScoring(lm, ngram, device, batch_tokens, not no_prefix_sharing, progress=not quiet,
-                           precision=precision)
+                           precision=precision, choose_paths=path_choice)
     typer.echo(rescore_nbest_files(inputs, opts, scoring, w, out, ref, note).line())
 
 

@@ -10,8 +10,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import ConfigError
-from .common import (AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, PRECISION, check_precision,
-                     load_weights, note)
+from .common import (AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, PATH_CHOICE, PRECISION,
+                     check_precision, load_weights, note)
 
 
 def tune(
@@ -46,6 +46,7 @@ def tune(
                                          "posterior scale is chosen with it [default: viterbi]."),
     device: str = typer.Option("auto"),
     precision: str = PRECISION,
+    path_choice: bool = PATH_CHOICE,
     batch_tokens: int = typer.Option(8192),
     quiet: bool = typer.Option(False),
 ):
@@ -95,7 +96,8 @@ def tune(
     from ..rescoring.tune_run import tune_nbest_files
 
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
-    scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet, precision=precision)
+    scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet, precision=precision,
+                           choose_paths=path_choice)
     r, n = tune_nbest_files(nbest, opts, scoring, refs, plan, note)
     typer.echo(surface_text(r))
     if r.mbr_errors is not None:

@@ -34,6 +34,7 @@ class NBestScoring:
     prefix_sharing: bool = True
     progress: bool = True
     precision: str = "fp32"
+    choose_paths: bool = True  # on CUDA: tree attention or padded rows per call, whichever measured faster
 
 
 def load_scorers(scoring: NBestScoring) -> tuple[NeuralScorer | None, NgramLM | None]:
@@ -45,7 +46,8 @@ def load_scorers(scoring: NBestScoring) -> tuple[NeuralScorer | None, NgramLM | 
 
     device = next(loaded.model.parameters()).device
     scorer = NeuralScorer(loaded.model, loaded.vocab, device, scoring.batch_tokens, scoring.prefix_sharing)
-    if device.type == "cuda":  # on a GPU tree attention can lose to padded rows: measure both (on a CPU it wins)
+    # on a GPU tree attention can lose to padded rows: measure both (on a CPU it wins)
+    if device.type == "cuda" and scoring.choose_paths and scoring.prefix_sharing:
         scorer.choose_paths()
     return scorer, ngram
 
