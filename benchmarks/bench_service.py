@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import DOC, command, machine, write_section  # noqa: E402
 from service_abuse import run_abuse  # noqa: E402
-from service_client import DEV, ServerProcess, batch_counts, build_requests, load  # noqa: E402
+from service_client import DEV, ServerProcess, batch_counts, build_requests, load, service_section  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -129,8 +129,7 @@ def run_batching(args: argparse.Namespace) -> None:
     body = batching_report(args, shapes, results)
     print(body)
     if not args.no_write:
-        name = f"bench_service-{'cuda' if args.device.startswith('cuda') else 'cpu'}"
-        write_section(name if args.precision == "fp32" else f"{name}-{args.precision}", body, Path(args.doc))
+        write_section(service_section("bench_service", args), body, Path(args.doc))
 
 
 def batching_report(args: argparse.Namespace, shapes: dict, results: dict) -> str:

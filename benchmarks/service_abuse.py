@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from common import command, machine, write_section
-from service_client import DEV, ROOT, ServerProcess, build_requests, http_get, post_bytes, read_response
+from service_client import (DEV, ROOT, ServerProcess, build_requests, http_get, post_bytes, read_response,
+                            service_section)
 
 from smallstate_lm.rescoring.nbest_io import read_nbest
 
@@ -402,9 +403,7 @@ def run_abuse(args: argparse.Namespace) -> None:
                                  slice_ms, shutdown, server_settings)
     print(body)
     if not args.no_write:
-        name = f"bench_service-abuse-{'cuda' if args.device.startswith('cuda') else 'cpu'}"
-        write_section(name if args.precision == "fp32" else f"{name}-{args.precision}", body,
-                      Path(args.doc))
+        write_section(service_section("bench_service-abuse", args), body, Path(args.doc))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

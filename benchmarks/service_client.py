@@ -94,6 +94,12 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
         writer.close()
 
 
+def service_section(kind: str, args) -> str:
+    """The docs section a service benchmark writes: per device, and per precision other than fp32."""
+    name = f"{kind}-{'cuda' if args.device.startswith('cuda') else 'cpu'}"
+    return name if args.precision == "fp32" else f"{name}-{args.precision}"
+
+
 def post_bytes(body: bytes, path: str = "/rescore", headers: str = "") -> bytes:
     """A whole POST request; `headers`: extra header lines, each ending in CRLF."""
     return (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n{headers}"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import time
+from typing import Callable
+
 import torch
 
 from .errors import ConfigError
@@ -38,3 +42,19 @@ def settle_attention_backend(device: torch.device, dtype: torch.dtype) -> None:
     float32 gets. Process-wide, as the switch is; training keeps torch's choice."""
     if device.type == "cuda" and dtype != torch.float32:
         torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def fastest_seconds(*fns: Callable[[], object], rounds: int = 5) -> list[float]:
+    """The fastest of `rounds` runs of each of `fns` (after one warm-up run each), taken in turns: a moment of
+    load on a shared machine (another process, a page fault, the OS) inflates a run, never shortens one, and
+    taking turns keeps it from landing on one measurement only; a slope or per-call term from two inflated
+    points could be off by 100x. Each fn must wait for its device's work (ours copy results to the host)."""
+    for fn in fns:
+        fn()  # kernels, caches and the allocator warm
+    best = [math.inf] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best

@@ -179,11 +179,13 @@ class NeuralScorer:
         encoded = [[self.encode(h) for h in hyps] for hyps in groups]
         out: list[list[np.ndarray]] = [[None] * len(h) for h in encoded]  # type: ignore[list-item]
         self.model.eval()
-        if not self.share_prefixes or not self._tree_pays(encoded):
+        # sized once here when the choice of path needs the tries' sizes, for the plan too
+        sizes = [trie_size(hyps) for hyps in encoded] if self.share_prefixes and self.path_costs is not None else None
+        if not self.share_prefixes or (sizes is not None and not self._tree_pays(encoded, sizes)):
             self._score_padded(encoded, out)
             return out
         if self.use_tree:
-            self._score_trees(encoded, out)
+            self._score_trees(encoded, out, sizes)
             return out
         # Utterances are grouped so that a group's trie holds about `group_tokens` tokens:
         # big levels make big batches, which is what keeps a CPU or GPU busy.
@@ -225,15 +227,12 @@ class NeuralScorer:
             self.path_costs = measure_path_costs(self, rounds)
         return self.path_costs
 
-    def _tree_pays(self, encoded) -> bool:
-        """Whether prefix sharing is predicted faster than padded rows for these hypotheses (always, until
-        `choose_paths` has measured both)."""
-        costs = self.path_costs
-        if costs is None:
-            return True
-        nodes = sum(trie_size(hyps).total_nodes for hyps in encoded)
+    def _tree_pays(self, encoded, sizes: list[TreeSize]) -> bool:
+        """Whether prefix sharing is predicted faster than padded rows for these hypotheses (their tries of
+        `sizes`), by the costs `choose_paths` measured."""
+        nodes = sum(size.total_nodes for size in sizes)
         tokens = sum(len(s) for hyps in encoded for s in hyps)
-        pays = costs.prefers_tree(nodes, tokens)
+        pays = self.path_costs.prefers_tree(nodes, tokens)
         self.calls_padded += not pays
         return pays
 
@@ -255,14 +254,14 @@ class NeuralScorer:
                          + 2 * cfg.n_heads * longest)
         return WorkCost(nodes, max(self.batch_tokens, longest) * per_token)
 
-    def _plan_trees(self, encoded) -> tuple[list[list[_TreeRow]], int, int]:
-        """The tree-attention plan for utterances of encoded hypotheses: batches of rows
-        within `batch_tokens` and the cap, the utterances' trie nodes, and the plan's peak
+    def _plan_trees(self, encoded, sizes: list[TreeSize] | None = None) -> tuple[list[list[_TreeRow]], int, int]:
+        """The tree-attention plan for utterances of encoded hypotheses (their tries' `sizes`, when known):
+        batches of rows within `batch_tokens` and the cap, the utterances' trie nodes, and the plan's peak
         bytes (above the cap: a hypothesis alone does not fit)."""
         rows: list[_TreeRow] = []
         nodes = 0
         for u, hyps in enumerate(encoded):
-            size = trie_size(hyps)  # the trie itself is built when its row runs
+            size = sizes[u] if sizes is not None else trie_size(hyps)  # the trie is built when its row runs
             nodes += size.total_nodes
             if self._fits(size):
                 rows.append(_TreeRow(u, list(range(len(hyps))), size))
@@ -291,9 +290,9 @@ class NeuralScorer:
         that the hypotheses sharing a prefix stay together."""
         return [_TreeRow(u, group, size) for group, size in sorted_groups(hyps, self._fits)]
 
-    def _score_trees(self, encoded, out) -> None:
+    def _score_trees(self, encoded, out, sizes: list[TreeSize] | None = None) -> None:
         """Tree attention over each utterance's trie (or its sub-tries), batched as planned."""
-        batches, _, peak = self._plan_trees(encoded)
+        batches, _, peak = self._plan_trees(encoded, sizes)
         if self.max_work_bytes is not None and peak > self.max_work_bytes:
             raise WorkLimitError(f"scoring these hypotheses needs {peak / 2**20:.1f} MiB of working memory even one "
                                  f"hypothesis at a time, more than max_work_bytes ({self.max_work_bytes / 2**20:.1f} "
@@ -383,7 +382,8 @@ def measure_path_costs(scorer: "NeuralScorer", rounds: int = 3) -> PathCosts:
     """Both paths timed on the same lists, shaped like a decoder's n-best output (8 lists of 32 hypotheses
     of 12 words that share a stem of 4 to 8 words): the fastest of `rounds` runs of each, taken in turns."""
     import random
-    import time
+
+    from .device import fastest_seconds
 
     rng = random.Random(11)
     ids = list(range(4, len(scorer.vocab))) or [EOS_ID]  # a vocabulary of the specials only: any id will do
@@ -397,21 +397,15 @@ def measure_path_costs(scorer: "NeuralScorer", rounds: int = 3) -> PathCosts:
         encoded.append(hyps)
     nodes = sum(trie_size(hyps).total_nodes for hyps in encoded)
     tokens = sum(len(s) for hyps in encoded for s in hyps)
-    sync = (lambda: torch.cuda.synchronize(scorer.device)) if scorer.device.type == "cuda" else (lambda: None)
-    best = [float("inf"), float("inf")]
     counts = scorer.tokens_total, scorer.tokens_computed
+
+    def timed(path):  # both paths end copying their log-probs to the host, which waits for the device
+        return lambda: path(encoded, [[None] * len(h) for h in encoded])
+
     with torch.inference_mode():
-        for r in range(rounds + 1):  # the first round warms kernels and caches
-            for k, run in enumerate((scorer._score_trees, scorer._score_padded)):
-                out = [[None] * len(h) for h in encoded]
-                sync()
-                t = time.perf_counter()
-                run(encoded, out)
-                sync()
-                if r:
-                    best[k] = min(best[k], time.perf_counter() - t)
+        tree_s, padded_s = fastest_seconds(timed(scorer._score_trees), timed(scorer._score_padded), rounds=rounds)
     scorer.tokens_total, scorer.tokens_computed = counts
-    return PathCosts(best[0] / nodes, best[1] / tokens)
+    return PathCosts(tree_s / nodes, padded_s / tokens)
 
 
 def trie_size(seqs: Sequence[Sequence[int]]) -> TreeSize:

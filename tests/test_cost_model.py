@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from smallstate_lm.service.cost import CostModel, _timed
+from smallstate_lm.device import fastest_seconds
+from smallstate_lm.service.cost import CostModel
 
 
 def test_timed_keeps_each_measurements_fastest_run_taken_in_turns():
@@ -18,7 +19,7 @@ def test_timed_keeps_each_measurements_fastest_run_taken_in_turns():
                 time.sleep(0.05)
         return fn
 
-    a, b = _timed(loaded_at_first("a"), loaded_at_first("b"), rounds=5)
+    a, b = fastest_seconds(loaded_at_first("a"), loaded_at_first("b"), rounds=5)
     assert calls == {"a": 6, "b": 6}  # one warm-up run, then five rounds of both
     assert a < 0.04 and b < 0.04
 

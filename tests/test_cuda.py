@@ -16,6 +16,7 @@ from conftest import REPO, TEST_DATA, run_cli
 from test_state_contract import IDS, VARIANTS, shrunk
 
 from smallstate_lm.checkpoint import load_model
+from smallstate_lm.device import PRECISIONS
 from smallstate_lm.models import build_model
 from smallstate_lm.rescoring.nbest_io import read_nbest
 from smallstate_lm.scoring import NeuralScorer, Weights
@@ -38,15 +39,15 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 @torch.no_grad()
-def test_incremental_equals_full_on_cuda_and_matches_cpu(variant):
+def _cpu_full_and_incremental(variant, dtype: torch.dtype = torch.float32):
+    """A variant's fp32 log-probs on the CPU, and a copy's on DEV in `dtype`, from one call and token by token."""
     name, kv, extra = variant
     torch.manual_seed(0)
     cpu = build_model(shrunk(name, kv, **extra)).eval()
     gpu = build_model(shrunk(name, kv, **extra)).eval()
     gpu.load_state_dict(cpu.state_dict())
-    gpu.to(DEV)
+    gpu.to(device=DEV, dtype=dtype)
     tokens = torch.randint(0, V, (3, 11))
     want, _ = cpu.score(tokens, cpu.initial_state(3))
     full, _ = gpu.score(tokens.to(DEV), gpu.initial_state(3))
@@ -54,7 +55,13 @@ def test_incremental_equals_full_on_cuda_and_matches_cpu(variant):
     for t in range(tokens.shape[1]):
         lp, state = gpu.score(tokens[:, t : t + 1].to(DEV), state)
         parts.append(lp)
-    assert (torch.cat(parts, 1) - full).abs().max().item() <= TOL
+    return want, full, torch.cat(parts, 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_incremental_equals_full_on_cuda_and_matches_cpu(variant):
+    want, full, incremental = _cpu_full_and_incremental(variant)
+    assert (incremental - full).abs().max().item() <= TOL
     assert (full.cpu() - want).abs().max().item() <= TOL
 
 
@@ -69,36 +76,41 @@ def _hypotheses(seed: int, n_utts: int = 4) -> tuple[Vocabulary, list[list[list[
     return vocab, groups
 
 
+def _cpu_and_device_models(vocab: Vocabulary, dtype: torch.dtype = torch.float32):
+    """A small model on the CPU and a copy of it on DEV in `dtype`."""
+    torch.manual_seed(0)
+    model = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    copy = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    copy.load_state_dict(model.state_dict())
+    return model, copy.to(device=DEV, dtype=dtype)
+
+
+def _assert_close(want, got, tol: float) -> None:
+    for w_utt, g_utt in zip(want, got):
+        for w, g in zip(w_utt, g_utt):
+            np.testing.assert_allclose(g, w, atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("share, cap", [(False, None), (True, None), (True, 64 * 1024)],
                          ids=["padded", "tree", "tree-blocked"])
 def test_neural_scorer_on_cuda_matches_cpu(share, cap):
     vocab, groups = _hypotheses(3)
-    torch.manual_seed(0)
-    model = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    model, model_gpu = _cpu_and_device_models(vocab)
     want = NeuralScorer(model, vocab, "cpu", share_prefixes=share, max_work_bytes=cap).token_logprobs(groups)
-    model_gpu = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
-    model_gpu.load_state_dict(model.state_dict())
-    got = NeuralScorer(model_gpu.to(DEV), vocab, DEV, share_prefixes=share, max_work_bytes=cap).token_logprobs(groups)
-    for w_utt, g_utt in zip(want, got):
-        for w, g in zip(w_utt, g_utt):
-            np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
+    got = NeuralScorer(model_gpu, vocab, DEV, share_prefixes=share, max_work_bytes=cap).token_logprobs(groups)
+    _assert_close(want, got, TOL)
 
 
 def test_path_choice_on_cuda_matches_cpu():
     """The scorer measures both paths on the device (as the service and rescore do on CUDA) and gives the CPU's
     numbers whichever it takes."""
     vocab, groups = _hypotheses(9)
-    torch.manual_seed(0)
-    model = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    model, model_gpu = _cpu_and_device_models(vocab)
     want = NeuralScorer(model, vocab, "cpu").token_logprobs(groups)
-    model_gpu = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
-    model_gpu.load_state_dict(model.state_dict())
-    scorer = NeuralScorer(model_gpu.to(DEV), vocab, DEV)
+    scorer = NeuralScorer(model_gpu, vocab, DEV)
     costs = scorer.choose_paths(rounds=1)
     assert costs.tree_node_s > 0 and costs.padded_token_s > 0
-    for w_utt, g_utt in zip(want, scorer.token_logprobs(groups)):
-        for w, g in zip(w_utt, g_utt):
-            np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
+    _assert_close(want, scorer.token_logprobs(groups), TOL)
 
 
 HALF_TOL = {"bf16": 0.05, "fp16": 0.01}  # as tests/test_precision.py: near-uniform log-probs of a tiny model
@@ -106,25 +118,10 @@ HALF_TOL = {"bf16": 0.05, "fp16": 0.01}  # as tests/test_precision.py: near-unif
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-@torch.no_grad()
 def test_reduced_precision_on_cuda_keeps_incremental_equals_full(variant, precision):
-    from smallstate_lm.device import PRECISIONS
-
-    name, kv, extra = variant
-    torch.manual_seed(0)
-    cpu = build_model(shrunk(name, kv, **extra)).eval()
-    gpu = build_model(shrunk(name, kv, **extra)).eval()
-    gpu.load_state_dict(cpu.state_dict())
-    gpu.to(device=DEV, dtype=PRECISIONS[precision])
-    tokens = torch.randint(0, V, (3, 11))
-    want, _ = cpu.score(tokens, cpu.initial_state(3))
-    full, _ = gpu.score(tokens.to(DEV), gpu.initial_state(3))
-    state, parts = gpu.initial_state(3), []
-    for t in range(tokens.shape[1]):
-        lp, state = gpu.score(tokens[:, t : t + 1].to(DEV), state)
-        parts.append(lp)
+    want, full, incremental = _cpu_full_and_incremental(variant, PRECISIONS[precision])
     assert full.dtype == torch.float32
-    assert (torch.cat(parts, 1) - full).abs().max().item() <= HALF_TOL[precision]
+    assert (incremental - full).abs().max().item() <= HALF_TOL[precision]
     assert (full.cpu() - want).abs().max().item() <= HALF_TOL[precision]
 
 
@@ -144,19 +141,11 @@ def test_a_reduced_precision_model_on_cuda_keeps_attention_off_cudnn(tiny_lm_dir
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("share", [False, True], ids=["padded", "tree"])
 def test_neural_scorer_in_reduced_precision_on_cuda_matches_fp32_cpu(share, precision):
-    from smallstate_lm.device import PRECISIONS
-
     vocab, groups = _hypotheses(5)
-    torch.manual_seed(0)
-    model = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
+    model, half = _cpu_and_device_models(vocab, PRECISIONS[precision])
     want = NeuralScorer(model, vocab, "cpu", share_prefixes=share).token_logprobs(groups)
-    half = build_model(shrunk("small", False).replace(vocab_size=len(vocab))).eval()
-    half.load_state_dict(model.state_dict())
-    half.to(device=DEV, dtype=PRECISIONS[precision])
     got = NeuralScorer(half, vocab, DEV, share_prefixes=share).token_logprobs(groups)
-    for w_utt, g_utt in zip(want, got):
-        for w, g in zip(w_utt, g_utt):
-            np.testing.assert_allclose(g, w, atol=HALF_TOL[precision], rtol=0)
+    _assert_close(want, got, HALF_TOL[precision])
 
 
 def test_training_on_cuda_under_bf16_autocast_loads_on_cpu(small_corpus, tmp_path):

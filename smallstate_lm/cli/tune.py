@@ -10,8 +10,19 @@ from typing import List, Optional
 import typer
 
 from ..errors import ConfigError
-from .common import (AC_COSTS, BEAM_SIZE, LM_COSTS, MANIFEST, MERGE, NBEST_FORMAT, PATH_CHOICE, PRECISION,
-                     check_precision, load_weights, note)
+from .common import (
+    AC_COSTS,
+    BEAM_SIZE,
+    LM_COSTS,
+    MANIFEST,
+    MERGE,
+    NBEST_FORMAT,
+    PATH_CHOICE,
+    PRECISION,
+    check_precision,
+    load_weights,
+    note,
+)
 
 
 def tune(

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from smallstate_lm.device import fastest_seconds
 from smallstate_lm.rescoring.lattice import Lattice
 
 
@@ -139,21 +139,6 @@ def calibrate(neural, ngram) -> CostModel:
     return cm
 
 
-def _timed(*fns, rounds: int = 5) -> list[float]:
-    """The fastest of `rounds` runs of each of `fns`, taken in turns: a moment of load on a shared machine
-    (another process, a page fault, the OS) inflates a run, never shortens one, and taking turns keeps it from
-    landing on one measurement only; a slope or per-call term from two inflated points could be off by 100x."""
-    for fn in fns:
-        fn()  # kernels, caches and the allocator warm
-    best = [math.inf] * len(fns)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            t = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best
-
-
 def _calibrate_tree(cm: CostModel, neural) -> None:
     """Two tries of about the same nodes, shallow and as deep as long hypotheses go: per node = node_s +
     node_depth_s * depth; a small one for what a call costs beyond its nodes; and a batch of small lists."""
@@ -167,7 +152,7 @@ def _calibrate_tree(cm: CostModel, neural) -> None:
     groups = [[[rng.choice(vocab) for _ in range(12)] for _ in range(5)] for _ in range(32)]
     tries = [[hypotheses(64, 8)], [hypotheses(4, 128)], [hypotheses(1, 16)], groups]
     nodes = [max(1, neural.estimate_cost(t).trie_nodes) for t in tries]
-    seconds = _timed(*[lambda t=t: neural.token_logprobs(t) for t in tries])
+    seconds = fastest_seconds(*[lambda t=t: neural.token_logprobs(t) for t in tries])
     (s1, s2, s3, s4) = (s / n for s, n in zip(seconds, nodes))
     d1, d2 = 9, 129  # depths (with </s>)
     slope = max(0.0, (s2 - s1) / (d2 - d1))
@@ -197,7 +182,7 @@ def _calibrate_steps(cm: CostModel, neural) -> None:
 
         steps.append(one)
         positions.append(length + 2)  # <s> and the step itself
-    s1, s2 = (s / rows for s in _timed(*steps))
+    s1, s2 = (s / rows for s in fastest_seconds(*steps))
     (p1, p2) = positions
     slope = max(0.0, (s2 - s1) / (p2 - p1))
     cm.row_pos_s, cm.row_s = slope, max(1e-9, s1 - slope * p1)
@@ -205,4 +190,4 @@ def _calibrate_steps(cm: CostModel, neural) -> None:
 
 def _calibrate_ngram(cm: CostModel, ngram) -> None:
     words = ["the", "of", "and", "to", "in", "that", "he", "shall"] * 64
-    cm.ngram_s = max(1e-9, _timed(lambda: ngram.token_logprobs(words))[0] / (len(words) + 1))
+    cm.ngram_s = max(1e-9, fastest_seconds(lambda: ngram.token_logprobs(words))[0] / (len(words) + 1))

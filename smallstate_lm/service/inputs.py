@@ -18,7 +18,17 @@ from .errors import CostLimitError, LimitError, ServiceError
 from .model import Models
 from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
 from .settings import Settings
-from .work import LatticeItem, NbestItem, Work, lists_seconds, make_work, nbest_item, prepared, request_weights
+from .work import (
+    LatticeItem,
+    NbestItem,
+    Work,
+    lattice_item,
+    lists_seconds,
+    make_work,
+    nbest_item,
+    prepared,
+    request_weights,
+)
 
 
 def rescore_work(body: RescoreRequest, models: Models, s: Settings,
@@ -53,14 +63,14 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings,
                                      f"(estimated from their arcs and paths), more than the limit of "
                                      f"{s.max_lattice_cost} (max_lattice_cost)", f"{where}.lattice",
                                      s.max_lattice_cost)
-            lattice_s += models.cost.lattice(shape, models.expand_config.max_level_bytes, models.neural is not None,
-                                             models.ngram is not None).seconds
+            item = lattice_item(models, lat, body.nbest or s.lattice_nbest, shape)
+            lattice_s += item.seconds
             if lattice_s > s.max_request_seconds:
                 raise CostLimitError(f"the request's lattices up to {where} alone would take up to {lattice_s:.1f} s "
                                      f"on this server (predicted by its cost model), more than the limit of "
                                      f"{s.max_request_seconds:g} s (max_request_seconds)", f"{where}.lattice",
                                      s.max_request_seconds)
-            items.append(LatticeItem(lattice=lat, n=body.nbest or s.lattice_nbest, shape=shape))
+            items.append(item)
         fields.append(where)
     work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
     _check_cost(work, "utterances", s)

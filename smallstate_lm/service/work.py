@@ -143,7 +143,8 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
     sizes = dict(zip(map(id, lists), _trie_sizes(models, [[h.words for h in it.scored.hyps] for it in lists])))
     for it, field in zip(items, fields):
         if isinstance(it, LatticeItem):
-            lattice_bytes.append(_estimate_lattice(models, it, field))
+            check_lattice_vocabulary(models, it.lattice, f"{field}.lattice")
+            lattice_bytes.append(it.nbytes)
             work.lattice_arcs += it.lattice.num_arcs
             work.lattice_seconds += it.seconds
         else:
@@ -158,15 +159,13 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
     return work
 
 
-def _estimate_lattice(models: Models, it: LatticeItem, field: str) -> int:
-    """Checks the lattice's words and sets its predicted seconds; returns its predicted peak bytes."""
-    check_lattice_vocabulary(models, it.lattice, f"{field}.lattice")
-    if it.shape is None:
-        it.shape = lattice_shape(it.lattice, models.expand_config.max_per_state)
-    est = models.cost.lattice(it.shape, models.expand_config.max_level_bytes, models.neural is not None,
+def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | None = None) -> LatticeItem:
+    """A prepared lattice as work, with its shape (`shape` when known) and what the cost model predicts of it."""
+    shape = shape if shape is not None else lattice_shape(lat, models.expand_config.max_per_state)
+    est = models.cost.lattice(shape, models.expand_config.max_level_bytes, models.neural is not None,
                               models.ngram is not None)
-    it.seconds, it.nbytes = est.seconds, est.nbytes
-    return est.nbytes
+    return LatticeItem(lattice=lat, n=n, shape=shape, seconds=est.seconds, nbytes=est.nbytes)
+
 
 
 def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tuple[int, int]:
@@ -261,6 +260,6 @@ def warmup_work(models: Models) -> list[Work]:
                          ["sentences[0]"], models.weights)
     fst = f"0 1 {words[0]} {words[0]} 1.0,1.0\n1 2 {words[1]} {words[1]} 1.0,1.0\n2 0.0,0.0\n"
     lat = read_fst_text(fst, SymbolTable.from_words(list(words[:2])), name="warmup")
-    lattice = make_work(models, "rescore", [LatticeItem(prepared(lat), models.s.lattice_nbest)], ["utterances[0]"],
-                        models.weights)
+    lattice = make_work(models, "rescore", [lattice_item(models, prepared(lat), models.s.lattice_nbest)],
+                        ["utterances[0]"], models.weights)
     return [sentence, lattice]

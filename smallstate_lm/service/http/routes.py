@@ -33,8 +33,10 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         lattice = any(u.lattice is not None for u in body.utterances)
         words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
         inline = not lattice and words <= INLINE_WORDS
-        work = await off_loop(inline, rescore_work, body, svc.models, svc.settings,
-                              deadline_check(request, timeout, "utterances"))
+        # a large request's lists are checked against its deadline before they are built; a small one's cost
+        # less to build than to check twice
+        early = None if inline else deadline_check(request, timeout, "utterances")
+        work = await off_loop(inline, rescore_work, body, svc.models, svc.settings, early)
         result = await svc.submit(work, request, timeout)
         inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
         return await answer(svc, inline, lambda: rescore_response(result, body), size)
