@@ -7,6 +7,8 @@ calls an LM again. All scores are natural log.
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -23,6 +25,7 @@ from .weights import (  # noqa: F401  (the public names of score combination, re
     Weights,
     check_overlap,
     count_oov,
+    oov_counts,
     lm_score,
     log_mix,
     oov_reference,
@@ -39,6 +42,9 @@ from .weights import (  # noqa: F401  (the public names of score combination, re
 # otherwise: small beside a server's memory, ample for n-best lists of ordinary size
 # (a trie past a few thousand nodes runs in blocks, or in sub-tries, within it).
 DEFAULT_MAX_WORK_BYTES = 256 * 2**20
+# Up to this many tokens, trie sizes are counted in plain Python (a 5-best list: 6 us against 52 us for the
+# array operations, which win from about 600 tokens; AMD EPYC)
+SMALL_TRIE_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,12 @@ class TreeSize:
 
     def nbytes(self, model: nn.Module, max_work_bytes: int | None) -> int:
         """The peak working memory of `model.score_tree` on such a batch under the cap."""
+        return self.plan(model, max_work_bytes).nbytes
+
+    def plan(self, model: nn.Module, max_work_bytes: int | None):
+        """The plan `model.score_tree` follows on such a batch under the cap (`model.tree_plan`'s)."""
         return model.tree_plan(self.n_rows, self.max_nodes, self.total_nodes, self.max_depth, self.path_len,
-                               max_work_bytes).nbytes
+                               max_work_bytes)
 
 
 class WorkCost(NamedTuple):
@@ -110,10 +120,14 @@ class PrefixTrie:
         # nodes 1..n in creation order: every parent precedes its children
         self.node_token = token
         self.node_parent = parent
-        self.seg_nodes: list[list[int]] = []
-        self.seg_tokens: list[list[int]] = []
-        self.seg_parent: list[int] = []
-        self.seg_level: list[int] = []
+        self._children, self._ends = children, ends
+
+    @functools.cached_property
+    def _segments(self) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
+        """(nodes, tokens, parent segment, level) per segment; only the level-by-level path asks, so tree
+        attention does not pay for them."""
+        children, ends, token = self._children, self._ends, self.node_token
+        seg_nodes, seg_tokens, seg_parent, seg_level = [], [], [], []
         stack = [(0, -1, 0)]  # (node the segments hang from, its segment, level)
         while stack:
             start, parent, level = stack.pop()
@@ -121,13 +135,30 @@ class PrefixTrie:
                 nodes = [child]
                 while len(children[nodes[-1]]) == 1 and nodes[-1] not in ends:
                     nodes.append(next(iter(children[nodes[-1]].values())))
-                idx = len(self.seg_nodes)
-                self.seg_nodes.append(nodes)
-                self.seg_tokens.append([token[n] for n in nodes])
-                self.seg_parent.append(parent)
-                self.seg_level.append(level)
+                idx = len(seg_nodes)
+                seg_nodes.append(nodes)
+                seg_tokens.append([token[n] for n in nodes])
+                seg_parent.append(parent)
+                seg_level.append(level)
                 if children[nodes[-1]]:
                     stack.append((nodes[-1], idx, level + 1))
+        return seg_nodes, seg_tokens, seg_parent, seg_level
+
+    @property
+    def seg_nodes(self) -> list[list[int]]:
+        return self._segments[0]
+
+    @property
+    def seg_tokens(self) -> list[list[int]]:
+        return self._segments[1]
+
+    @property
+    def seg_parent(self) -> list[int]:
+        return self._segments[2]
+
+    @property
+    def seg_level(self) -> list[int]:
+        return self._segments[3]
 
     @property
     def n_levels(self) -> int:
@@ -254,17 +285,21 @@ class NeuralScorer:
                          + 2 * cfg.n_heads * longest)
         return WorkCost(nodes, max(self.batch_tokens, longest) * per_token)
 
-    def _plan_trees(self, encoded, sizes: list[TreeSize] | None = None) -> tuple[list[list[_TreeRow]], int, int]:
+    def _plan_trees(self, encoded, sizes: list[TreeSize] | None = None,
+                    build: bool = False) -> tuple[list[list[_TreeRow]], int, int]:
         """The tree-attention plan for utterances of encoded hypotheses (their tries' `sizes`, when known):
         batches of rows within `batch_tokens` and the cap, the utterances' trie nodes, and the plan's peak
-        bytes (above the cap: a hypothesis alone does not fit)."""
+        bytes (above the cap: a hypothesis alone does not fit). `build`: the rows' tries are built now
+        (for scoring), else when their row runs."""
         rows: list[_TreeRow] = []
         nodes = 0
         for u, hyps in enumerate(encoded):
-            size = sizes[u] if sizes is not None else trie_size(hyps)  # the trie is built when its row runs
+            # scoring needs the trie anyway: built here, it gives its size too
+            trie = PrefixTrie(hyps) if sizes is None and build else None
+            size = sizes[u] if sizes is not None else trie.size if trie is not None else trie_size(hyps)
             nodes += size.total_nodes
             if self._fits(size):
-                rows.append(_TreeRow(u, list(range(len(hyps))), size))
+                rows.append(_TreeRow(u, list(range(len(hyps))), size, trie))
             else:
                 rows.extend(self._split(u, hyps))
         rows.sort(key=lambda r: r.size.max_nodes)
@@ -292,7 +327,7 @@ class NeuralScorer:
 
     def _score_trees(self, encoded, out, sizes: list[TreeSize] | None = None) -> None:
         """Tree attention over each utterance's trie (or its sub-tries), batched as planned."""
-        batches, _, peak = self._plan_trees(encoded, sizes)
+        batches, _, peak = self._plan_trees(encoded, sizes, build=True)
         if self.max_work_bytes is not None and peak > self.max_work_bytes:
             raise WorkLimitError(f"scoring these hypotheses needs {peak / 2**20:.1f} MiB of working memory even one "
                                  f"hypothesis at a time, more than max_work_bytes ({self.max_work_bytes / 2**20:.1f} "
@@ -301,7 +336,8 @@ class NeuralScorer:
             tries = [r.trie or PrefixTrie([encoded[r.utt][j] for j in r.hyps]) for r in batch]
             tokens, lengths = pad_batch([t.node_token[1:] for t in tries], self.device)
             parents, _ = pad_batch([[p - 1 for p in t.node_parent[1:]] for t in tries], self.device)
-            logp = self.model.score_tree(tokens, parents, lengths, max_work_bytes=self.max_work_bytes)
+            plan = sum((r.size for r in batch), TreeSize()).plan(self.model, self.max_work_bytes)
+            logp = self.model.score_tree(tokens, parents, lengths, max_work_bytes=self.max_work_bytes, plan=plan)
             logp = logp.double().cpu().numpy()
             for r, (row, trie) in enumerate(zip(batch, tries)):
                 node_logp = np.concatenate([[0.0], logp[r, : trie.n_nodes]])
@@ -428,6 +464,8 @@ def trie_sizes(ids: np.ndarray, lens: np.ndarray, lists: np.ndarray, n_lists: in
     sizes = [TreeSize(1, 0, 0, 0, 1)] * n_lists
     if n == 0:
         return sizes
+    if len(ids) <= SMALL_TRIE_TOKENS:
+        return _small_trie_sizes(ids, lens, lists, n_lists, end)
     starts = np.cumsum(lens) - lens
     full = lens + (end is not None)
     a = np.full((n, int(full.max()) + 1), -1, dtype=np.int64)
@@ -451,6 +489,38 @@ def trie_sizes(ids: np.ndarray, lens: np.ndarray, lists: np.ndarray, n_lists: in
     present = np.bincount(lists, minlength=n_lists) > 0
     return [TreeSize(1, int(k), int(k), int(d), int(p)) if has and d > 0 else TreeSize(1, 0, 0, 0, 1)
             for k, d, p, has in zip(nodes.tolist(), depth.tolist(), path.tolist(), present.tolist())]
+
+
+def _small_trie_sizes(ids, lens: np.ndarray, lists, n_lists: int, end: int | None) -> list[TreeSize]:
+    """`trie_sizes` in plain Python, for few tokens: the array operations' fixed cost (~50 us) is most of a
+    small request's. The same walk over each list's sorted sequences."""
+    flat = np.asarray(ids).tolist()
+    by_list: list[list[list[int]]] = [[] for _ in range(n_lists)]
+    pos = 0
+    for length, k in zip(lens.tolist(), np.asarray(lists).tolist()):
+        seq = flat[pos : pos + length]
+        pos += length
+        if end is not None:
+            seq.append(end)
+        by_list[k].append(seq)
+    out = []
+    for seqs in by_list:
+        seqs.sort()
+        common = [0] * (len(seqs) + 1)  # tokens each shares with the one before; a last 0 ends the list
+        nodes = depth = path = 0
+        for k, s in enumerate(seqs):
+            if k:
+                prev, c, m = seqs[k - 1], 0, min(len(s), len(seqs[k - 1]))
+                while c < m and s[c] == prev[c]:
+                    c += 1
+                common[k] = c
+            nodes += len(s) - common[k]
+            depth = max(depth, len(s))
+        for k, s in enumerate(seqs):  # a leaf unless the next one extends it
+            if s and (k + 1 == len(seqs) or common[k + 1] < len(s)):
+                path += len(s) + 1
+        out.append(TreeSize(1, nodes, nodes, depth, path) if depth > 0 else TreeSize(1, 0, 0, 0, 1))
+    return out
 
 
 def sorted_groups(seqs: Sequence[Sequence], fits) -> list[tuple[list[int], TreeSize]]:

@@ -141,7 +141,8 @@ class StatefulLM(Protocol):
     #: -> (B, N) log p(node token | <s>, its ancestors) for every node of a prefix trie in
     #: one pass; parents[b, i] < i is a node's parent in its row, -1 right after `<s>`;
     #: 0 at padding. Equals `score` along each root-to-node path. `max_work_bytes=` bounds its
-    #: working memory (blocks of queries over an ancestor table instead of an N x N mask).
+    #: working memory (blocks of queries over an ancestor table instead of an N x N mask);
+    #: `plan=` the tree_plan of the batch when the caller has it.
     score_tree: Callable[..., Tensor] | None
 
     #: Present with score_tree: tree_plan(n_rows, max_nodes, total_nodes, max_depth, path_len,

@@ -8,8 +8,10 @@ calls an LM again. All scores are natural log.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections import Counter
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -143,13 +145,25 @@ def count_oov(words: Sequence[str], known) -> int:
     return 0 if known is None else sum(1 for w in words if w not in known)
 
 
+def oov_counts(sentences: Sequence[Sequence[str]], known) -> list[int]:
+    """count_oov of each sentence, asking `known` once per distinct word: the sentences of an n-best
+    list repeat a few dozen words, and asking a vocabulary (or KenLM) costs more than a set lookup."""
+    if known is None:
+        return [0] * len(sentences)
+    unknown = {w for w in set().union(*sentences) if w not in known} if sentences else set()
+    if not unknown:
+        return [0] * len(sentences)
+    return [sum(1 for w in s if w in unknown) for s in sentences]
+
+
 def check_overlap(sentences: Sequence[Sequence[str]], known, what: str, min_known: float = 0.5) -> float:
     """Fraction of word tokens that `known` contains; below `min_known` the decoder's
     words and the LM's vocabulary do not match (wrong model, case folding...)."""
-    total = sum(len(s) for s in sentences)
+    counts = Counter(itertools.chain.from_iterable(sentences))  # each distinct word asked once
+    total = sum(counts.values())
     if total == 0:
         return 1.0
-    hit = sum(1 for s in sentences for w in s if w in known)
+    hit = sum(c for w, c in counts.items() if w in known)
     rate = hit / total
     if rate < min_known:
         sample = [w for s in sentences for w in s if w not in known][:5]

@@ -284,12 +284,13 @@ def big_request(mib: float = 9.7) -> bytes:
 
 def test_large_bodies_are_parsed_and_encoded_off_the_event_loop(tiny_lm_dir, kenlm_model, monkeypatch):
     from smallstate_lm.service import Settings, create_app, decode
+    from smallstate_lm.service.http import responses
     from smallstate_lm.service.schemas import RescoreRequest
 
     app = create_app(Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), threads=1))
     body = big_request(2.0)
     calls: list[tuple[str, int, threading.Thread]] = []
-    loads, dumps = json.loads, json.dumps
+    loads, encode = json.loads, responses._json
 
     validate_json = RescoreRequest.model_validate_json
     fast = decode.decode
@@ -297,9 +298,9 @@ def test_large_bodies_are_parsed_and_encoded_off_the_event_loop(tiny_lm_dir, ken
     def spy(name, fn):
         def wrapped(x, *args, **kw):
             out = fn(x, *args, **kw)
-            size = len(out) if name == "dumps" else len(args[0]) if name == "decode" else len(x)
+            size = len(out.body) if name == "encode" else len(args[0]) if name == "decode" else len(x)
             if size > 2**20:
-                calls.append(("parse" if name != "dumps" else name, size, threading.current_thread()))
+                calls.append(("parse" if name != "encode" else name, size, threading.current_thread()))
             return out
         return wrapped
 
@@ -308,7 +309,7 @@ def test_large_bodies_are_parsed_and_encoded_off_the_event_loop(tiny_lm_dir, ken
             monkeypatch.setattr(json, "loads", spy("loads", loads))  # FastAPI's parser, and the fallback
             monkeypatch.setattr(RescoreRequest, "model_validate_json", spy("validate_json", validate_json))
             monkeypatch.setattr(decode, "decode", spy("decode", fast))  # the fast way in, which takes this body
-            monkeypatch.setattr(json, "dumps", spy("dumps", dumps))
+            monkeypatch.setattr(responses, "_json", spy("encode", encode))  # the response's encoding
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as client:
                 r = await client.post("/rescore", content=body, headers={"content-type": "application/json"})
@@ -318,7 +319,7 @@ def test_large_bodies_are_parsed_and_encoded_off_the_event_loop(tiny_lm_dir, ken
     loop_thread = threading.current_thread()
     r = asyncio.run(run())
     assert r.status_code == 200, r.text[:500]
-    assert {name for name, _, _ in calls} == {"parse", "dumps"}, calls
+    assert {name for name, _, _ in calls} == {"parse", "encode"}, calls
     for name, size, thread in calls:
         assert thread is not loop_thread, f"json.{name} of {size} bytes ran on the event loop"
 

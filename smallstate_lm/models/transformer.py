@@ -261,7 +261,7 @@ class TransformerLM(PendingTokenLM):
         )
 
     def score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None,
-                   max_work_bytes: int | None = None) -> Tensor:
+                   max_work_bytes: int | None = None, plan: TreePlan | None = None) -> Tensor:
         """Score a prefix trie in one pass ("tree attention"): every node attends to
         itself and its ancestors only, which is exact here because the model has no
         positional encoding, or rotary positions taken from each node's depth.
@@ -271,6 +271,8 @@ class TransformerLM(PendingTokenLM):
         that follow `<s>` directly. lengths: optional (B,) number of real nodes.
         max_work_bytes: cap on the working memory (see `tree_plan`); None: one dense
         pass whatever the size. ValueError when even blocks of one query exceed it.
+        plan: `tree_plan`'s for this batch and cap, when the caller knows it (saves
+        working out the tries' depths when the plan is the dense pass).
         Returns (B, N) natural-log p(node token | <s>, ancestors); 0 at padding.
         """
         if tokens.shape != parents.shape or tokens.dim() != 2:
@@ -287,14 +289,15 @@ class TransformerLM(PendingTokenLM):
         if bool(((par < 0) | (par > torch.arange(N, device=dev)[None])).any()):
             raise ValueError("every parent must come before its child in the row")
         n_real = int(lengths.sum())
-        # tree_plan's first choice, which needs no forest: the dense pass when it fits
-        if max_work_bytes is None or B == 0 or self._dense_tree_bytes(B, N, n_real) <= max_work_bytes:
+        if max_work_bytes is None or B == 0 or (plan is not None and not plan.blocked):
             return self._score_tree_dense(tokens, par, real)
         forest = tree_forest(tokens, par, real)
         plan = self.tree_plan(B, N, n_real, int(forest.depth.max()), len(forest.paths), max_work_bytes)
         if plan.nbytes > max_work_bytes:
             raise ValueError(f"these tries need {plan.nbytes} bytes of working memory even in blocks of one "
                              f"node, more than max_work_bytes={max_work_bytes}")
+        if not plan.blocked:
+            return self._score_tree_dense(tokens, par, real)
         return self._score_tree_blocked(forest, real, plan.block)
 
     # ---- what tree attention costs ---------------------------------------------------
@@ -303,11 +306,22 @@ class TransformerLM(PendingTokenLM):
         """The plan `score_tree` follows, known before any work, for `n_rows` tries padded to
         `max_nodes` nodes with `total_nodes` real nodes in all, the deepest node at
         `max_depth` (1 right after `<s>`), and `path_len` = the sum over their leaves of
-        depth + 1 (1 for an empty trie). The dense pass when it fits the cap (or there is
-        none), else the largest blocks that fit."""
+        depth + 1 (1 for an empty trie). Without a cap the dense pass; with one, the dense
+        pass when it fits and moves fewer bytes than the largest blocks that fit, else those
+        blocks. The dense pass grows with the square of the nodes per row, the blocks with
+        nodes times depth: wide shallow tries (an n-best list's) go faster in blocks when
+        the model is small enough that attention, not the layers' matmuls, dominates."""
         dense = self._dense_tree_bytes(n_rows, max_nodes, total_nodes)
-        if max_work_bytes is None or dense <= max_work_bytes:
+        if max_work_bytes is None:
             return TreePlan(False, 0, dense)
+        blocked, traffic = self._blocked_plan(n_rows, max_nodes, total_nodes, max_depth, path_len, max_work_bytes)
+        if dense <= max_work_bytes and (blocked.nbytes > max_work_bytes or dense <= traffic):
+            return TreePlan(False, 0, dense)
+        return blocked
+
+    def _blocked_plan(self, n_rows: int, max_nodes: int, total_nodes: int, max_depth: int, path_len: int,
+                      max_work_bytes: int) -> tuple[TreePlan, int]:
+        """The blocked plan with the largest blocks under the cap, and the bytes all its blocks move."""
         c = self.cfg
         M = total_nodes + n_rows  # forest positions: every real node and each row's <s>
         fixed = (TREE_ROW_BYTES * n_rows * max_nodes + TREE_FOREST_BYTES * M + 8 * path_len
@@ -325,7 +339,8 @@ class TransformerLM(PendingTokenLM):
             # which waits for its slowest thread when other work shares the cores.
             block = (max_work_bytes - fixed - logit_row * rows) // per_query
         block = max(1, min(M, block))
-        return TreePlan(True, block, fixed + block * per_query + logit_row * min(block, rows))
+        plan = TreePlan(True, block, fixed + block * per_query + logit_row * min(block, rows))
+        return plan, fixed + M * per_query + logit_row * min(M, rows)
 
     def _dense_tree_bytes(self, n_rows: int, max_nodes: int, total_nodes: int) -> int:
         """Bytes of the dense pass over `n_rows` tries padded to `max_nodes` nodes: per (row,

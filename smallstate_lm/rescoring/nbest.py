@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..errors import ConfigError, SmallstateError
 from ..ngram import NgramLM
-from ..weights import Weights, check_overlap, count_oov, log_mix, oov_reference, weighted_total
+from ..weights import Weights, check_overlap, log_mix, oov_counts, oov_reference, weighted_total
 from .nbest_io import Utterance
 from .wer import pairwise_errors
 
@@ -99,13 +99,14 @@ def first_pass_components(u: Utterance, known) -> Components:
     """`u`'s Components without LM scores: the decoder's scores, word and OOV counts (`known`: `oov_reference`)."""
     return Components(am=np.array([h.am for h in u.hyps]), graph=np.array([h.graph for h in u.hyps]),
                       n_words=np.array([len(h.words) for h in u.hyps], dtype=np.float64),
-                      n_oov=np.array([count_oov(h.words, known) for h in u.hyps], dtype=np.float64))
+                      n_oov=np.array(oov_counts([h.words for h in u.hyps], known), dtype=np.float64))
 
 
 def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = None, ngram: NgramLM | None = None,
-                       progress: bool = True) -> tuple[list[Components], ScoreStats]:
+                       progress: bool = True, check: bool = True) -> tuple[list[Components], ScoreStats]:
     """Score every hypothesis with each LM given; the neural LM sees all utterances
-    in batches (prefix-shared unless its scorer says otherwise)."""
+    in batches (prefix-shared unless its scorer says otherwise). `check=False`: the caller has
+    made check_overlap's vocabulary checks on these hypotheses already."""
     for u in utts:
         if not u.hyps:
             raise SmallstateError(f"utterance {u.utt!r} has an empty hypothesis list")
@@ -113,9 +114,9 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
     sents = [h.words for u in utts for h in u.hyps]
     stats = ScoreStats(utterances=len(utts), hypotheses=len(sents))
     known = oov_reference(neural.vocab if neural is not None else None, ngram)
-    if neural is not None:
+    if neural is not None and check:
         check_overlap(sents, neural.vocab, "the neural LM")
-    if ngram is not None:
+    if ngram is not None and check:
         check_overlap(sents, ngram, f"the n-gram {ngram.path}")
     comps = [first_pass_components(u, known) for u in utts]
     words_total = sum(len(s) for s in sents)

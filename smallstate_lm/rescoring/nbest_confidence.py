@@ -32,6 +32,11 @@ def list_confidences(words: Sequence[Sequence[str]], totals: np.ndarray, scale: 
         if j == best or list(hyp) == ref:
             conf += post[j]
             continue
+        if len(hyp) == len(ref):
+            same = [r == h for r, h in zip(ref, hyp)]
+            if len(same) - sum(same) == 1:  # one substitution: the only alignment of cost 1, no search needed
+                conf[same] += post[j]
+                continue
         i = 0
         for r, h in kaldialign.align(ref, list(hyp), _GAP):
             if r == _GAP:

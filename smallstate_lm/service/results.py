@@ -14,7 +14,7 @@ import numpy as np
 from smallstate_lm.rescoring.lattice_decode import Decoded
 from smallstate_lm.rescoring.nbest import Components, apply_weights
 from smallstate_lm.rescoring.nbest_confidence import list_confidences
-from smallstate_lm.scoring import Weights, count_oov
+from smallstate_lm.scoring import Weights, oov_counts
 
 from .batcher import Job
 from .errors import ServiceError
@@ -129,7 +129,7 @@ def _strip_context(models: Models, it: NbestItem) -> Components:
         return c
     hyps, known = it.plain.hyps, models.known
     out = Components(am=c.am, graph=c.graph, n_words=np.array([len(h.words) for h in hyps], dtype=np.float64),
-                     n_oov=np.array([count_oov(h.words, known) for h in hyps], dtype=np.float64))
+                     n_oov=np.array(oov_counts([h.words for h in hyps], known), dtype=np.float64))
     if c.neural_tok is not None:
         out.neural_tok = [t[k:] for t in c.neural_tok]
         out.neural = np.array([t.sum() for t in out.neural_tok])

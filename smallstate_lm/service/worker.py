@@ -209,7 +209,7 @@ class Worker:
     def _score_chunk(self, pairs: list[tuple[Job, NbestItem]]) -> None:
         neural, ngram = self.models.neural, self.models.ngram
         try:
-            comps, _ = compute_components([it.scored for _, it in pairs], neural, ngram, progress=False)
+            comps, _ = compute_components([it.scored for _, it in pairs], neural, ngram, progress=False, check=False)
             for (_, it), c in zip(pairs, comps):
                 it.comps = c
         except Exception as e:
@@ -225,7 +225,8 @@ class Worker:
                 if self._stop(job):
                     continue
                 try:
-                    comps, _ = compute_components([it.scored for it in items], neural, ngram, progress=False)
+                    comps, _ = compute_components([it.scored for it in items], neural, ngram, progress=False,
+                                                  check=False)
                     for it, c in zip(items, comps):
                         it.comps = c
                 except Exception as e:

@@ -1,38 +1,27 @@
-"""Responses from results: the schemas' models built from the worker's `Result`, encoded as compact
-JSON (off the event loop unless small), with the memory a large request freed handed back once the
-response is sent."""
+"""Responses from results: JSON built directly from the worker's `Result` in the shape of the schemas'
+response models (which stay the routes' documented contract) and encoded by msgspec, off the event
+loop unless small, with the memory a large request freed handed back once the response is sent."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any, Callable
+import math
+from typing import Callable
 
+import msgspec
 from fastapi.responses import Response
-from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from ..errors import ServiceError
 from ..results import LMTotal, RankedHypothesis, Result
-from ..schemas import (
-    LMScore,
-    RescoreRequest,
-    RescoreResponse,
-    ScoredHypothesis,
-    ScoreRequest,
-    ScoreResponse,
-    SentenceScore,
-    TokenLogprobs,
-    Transcript,
-    Usage,
-    UtteranceResult,
-    WeightsOut,
-)
+from ..schemas import WeightsOut
 from .bodies import off_loop
 from .state import Service
 
 # After a request body this large, freed memory goes back to the OS: the allocator keeps what it freed otherwise.
 LARGE_BYTES = 2**20
+WEIGHT_FIELDS = tuple(WeightsOut.model_fields)
+_ENCODER = msgspec.json.Encoder()
 
 
 async def answer(svc: Service, inline: bool, build: Callable[[], Response], size: int) -> Response:
@@ -47,50 +36,67 @@ async def answer(svc: Service, inline: bool, build: Callable[[], Response], size
     return response
 
 
-def rescore_response(result: Result, body: RescoreRequest) -> Response:
+def rescore_response(result: Result, body) -> Response:
+    """The response's JSON built directly from the result, field for field what RescoreResponse's
+    `model_dump(exclude_unset=True)` gives (its schema stays the route's contract): the pydantic
+    models and their dump cost more than the scoring of a small request."""
     utterances = []
     for u in result.items:
         token_logprobs = body.return_token_logprobs and u.source == "hypotheses"  # lattices have none
         hyps = [_hypothesis(h, token_logprobs) for h in u.hypotheses]
-        optional = {}  # left unset, the transcript stays out of a list's JSON
-        if u.transcript is not None:
-            optional["transcript"] = Transcript(decode=result.weights.decode, words=u.transcript.words,
-                                                confidences=u.transcript.confidences)
-        utterances.append(UtteranceResult(id=u.utt, source=u.source, best=hyps[0], hypotheses=hyps, **optional))
-    return _json(RescoreResponse(utterances=utterances, weights=WeightsOut(**dataclasses.asdict(result.weights)),
-                                 usage=Usage(**dataclasses.asdict(result.counts))))
+        out = {"id": u.utt, "source": u.source, "best": hyps[0], "hypotheses": hyps}
+        if u.transcript is not None:  # left out, the transcript stays out of a list's JSON
+            out["transcript"] = {"decode": result.weights.decode, "words": u.transcript.words,
+                                 "confidences": _finite(u.transcript.confidences)}
+        utterances.append(out)
+    return _json({"utterances": utterances, "weights": _weights(result.weights), "usage": _usage(result.counts)})
 
 
-def score_response(result: Result, body: ScoreRequest) -> Response:
-    def lm(t: LMTotal | None) -> LMScore | None:
+def score_response(result: Result, body) -> Response:
+    def lm(t: LMTotal | None) -> dict | None:
         if t is None:
             return None
-        optional = {"token_logprobs": t.token_logprobs} if body.return_token_logprobs else {}
-        return LMScore(logprob=t.logprob, perplexity=t.perplexity, **optional)
+        out = {"logprob": t.logprob, "perplexity": t.perplexity}
+        _finite((t.logprob, t.perplexity))
+        if body.return_token_logprobs:
+            out["token_logprobs"] = _finite(t.token_logprobs)
+        return out
 
-    sentences = [SentenceScore(words=s.words, tokens=s.tokens, n_oov=s.n_oov, neural=lm(s.neural), ngram=lm(s.ngram))
+    sentences = [{"words": s.words, "tokens": s.tokens, "n_oov": s.n_oov, "neural": lm(s.neural), "ngram": lm(s.ngram)}
                  for s in result.items]
-    return _json(ScoreResponse(sentences=sentences, usage=Usage(**dataclasses.asdict(result.counts))))
+    return _json({"sentences": sentences, "usage": _usage(result.counts)})
 
 
-def _hypothesis(h: RankedHypothesis, token_logprobs: bool) -> ScoredHypothesis:
-    optional: dict[str, Any] = {}  # left unset, these fields stay out of the JSON
+def _hypothesis(h: RankedHypothesis, token_logprobs: bool) -> dict:
+    _finite((h.total, h.am, h.graph, h.penalty, h.neural or 0.0, h.ngram or 0.0, h.expected_errors or 0.0))
+    out = {"id": h.id, "words": h.words, "rank": h.rank, "total": h.total, "am": h.am, "graph": h.graph,
+           "neural": h.neural, "ngram": h.ngram, "penalty": h.penalty, "n_words": h.n_words, "n_oov": h.n_oov}
+    # left out when unset, as the schema's optional fields are
     if h.expected_errors is not None:
-        optional["expected_errors"] = h.expected_errors
+        out["expected_errors"] = h.expected_errors
     if h.confidences is not None:
-        optional["confidences"] = h.confidences
+        out["confidences"] = _finite(h.confidences)
     if token_logprobs:
-        optional["token_logprobs"] = TokenLogprobs(neural=h.neural_tok, ngram=h.ngram_tok)
-    return ScoredHypothesis(id=h.id, words=h.words, rank=h.rank, total=h.total, am=h.am, graph=h.graph,
-                            neural=h.neural, ngram=h.ngram, penalty=h.penalty, n_words=h.n_words, n_oov=h.n_oov,
-                            **optional)
+        out["token_logprobs"] = {"neural": _finite(h.neural_tok), "ngram": _finite(h.ngram_tok)}
+    return out
 
 
-def _json(model: BaseModel) -> Response:
-    """The model's fields that were given (optional parts left out), as compact UTF-8 JSON."""
-    try:
-        data = json.dumps(model.model_dump(exclude_unset=True), ensure_ascii=False, allow_nan=False,
-                          separators=(",", ":")).encode("utf-8")
-    except ValueError:  # an overflow to inf/NaN from extreme (but finite) lattice costs
-        raise ServiceError("a score is not finite: the input's scores or costs are too large", "utterances") from None
-    return Response(data, media_type="application/json")
+def _weights(w) -> dict:
+    d = dataclasses.asdict(w)
+    return {k: d[k] for k in WEIGHT_FIELDS}
+
+
+def _usage(c) -> dict:
+    return dataclasses.asdict(c)
+
+
+def _finite(values):
+    """`values` (None passes), when every one is finite; else the request's scores overflowed (extreme but finite lattice
+    costs): JSON has no inf or NaN, and msgspec would write them as null."""
+    if values is not None and not math.isfinite(sum(values)) and not all(map(math.isfinite, values)):
+        raise ServiceError("a score is not finite: the input's scores or costs are too large", "utterances")
+    return values
+
+
+def _json(data: dict) -> Response:
+    return Response(_ENCODER.encode(data), media_type="application/json")
