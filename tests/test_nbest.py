@@ -20,7 +20,7 @@ from smallstate_lm.rescoring.nbest_io import (
     write_nbest_jsonl,
 )
 from smallstate_lm.rescoring.wer import align_counts
-from smallstate_lm.scoring import NeuralScorer, Weights
+from smallstate_lm.scoring import NeuralScorer, Weights, count_oov, oov_counts
 
 HEADER = "utt\trank\ttotal_cost\tac_logprob\tlm_logprob_ln\tn_words\twords\n"
 
@@ -154,6 +154,14 @@ def test_oov_words_map_to_unk_and_are_counted(tiny_lm_dir, utts):
     pick = {tuple(h.words): h.scores["total"] for h in hi.hyps}
     pick_lo = {tuple(h.words): h.scores["total"] for h in lo.hyps}
     assert math.isclose(pick[("the", "xylophonist", "said")] - pick_lo[("the", "xylophonist", "said")], 5.0)
+
+
+def test_oov_counts_ask_each_distinct_word_once_and_count_every_token(tiny_lm_dir, kenlm_model):
+    lm = load_model(tiny_lm_dir)
+    sents = [["the", "zzq", "zzq", "lord"], [], ["zzq"], ["the", "lord"], ["qqz", "the", "zzq"]]
+    for known in (lm.vocab, NgramLM(kenlm_model), None):
+        assert oov_counts(sents, known) == [count_oov(s, known) for s in sents]
+    assert oov_counts(sents, lm.vocab) == [2, 0, 1, 0, 2] and oov_counts([], lm.vocab) == []
 
 
 def test_vocabulary_mismatch_is_an_error(tiny_lm_dir):

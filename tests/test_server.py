@@ -501,3 +501,29 @@ def test_lattice_transcripts_with_confidences_match_the_cli(server, tmp_path, ti
     assert r.status_code == 422 and "decode" in r.text
     r = post(server, "/rescore", {"utterances": lattices[:1], "weights": {"posterior_scale": 0}})
     assert r.status_code == 422 and "posterior_scale" in r.text
+
+
+def test_responses_are_the_schemas_response_models(server):
+    """Responses are built without the pydantic models, so each must still be exactly what its documented
+    model holds: it validates, and dumping the validated model (set fields only) gives the same JSON, for
+    lists with every option, lattices under both decodings and /score with and without token log-probs."""
+    from smallstate_lm.service.schemas import RescoreResponse, ScoreResponse
+
+    lists = nbest_request(read_nbest(TEST_DATA / "nbest.tsv")[:3])
+    fst = sorted(LAT_DIR.glob("*.lat.fst"))[0]
+    requests = [("/rescore", RescoreResponse, {**lists, "return_token_logprobs": True}),
+                ("/rescore", RescoreResponse, {**lists, "weights": {"mbr_scale": 1.0}, "nbest": 2}),
+                ("/score", ScoreResponse, {"sentences": ["the lord said", "and god"], "return_token_logprobs": True}),
+                ("/score", ScoreResponse, {"sentences": ["the lord said"]})]
+    requests += [("/rescore", RescoreResponse, {"utterances": [fst_utterance(fst, "lat")], "weights": {"decode": d}})
+                 for d in ("viterbi", "mbr")]
+    for route, model, body in requests:
+        r = post(server, route, body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert model.model_validate(got).model_dump(mode="json", exclude_unset=True) == got, (route, body)
+        for u in got.get("utterances", []):
+            assert ("transcript" in u) == (u["source"] == "lattice")  # a lattice's confidences are its transcript's
+            assert ("confidences" in u["best"]) == (u["source"] == "hypotheses")
+            assert all("confidences" not in h for h in u["hypotheses"][1:])
+            assert ("expected_errors" in u["best"]) == ("mbr_scale" in body.get("weights", {}))

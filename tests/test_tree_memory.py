@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from smallstate_lm import scoring
 from smallstate_lm.errors import WorkLimitError
 from smallstate_lm.models import build_model, get_preset
 from smallstate_lm.models.transformer import tree_forest
@@ -119,6 +120,27 @@ def test_blocked_tree_attention_equals_the_dense_pass_and_each_path(extra):
             assert (blocked[b, [p - 1 for p in path]] - ref[0]).abs().max() <= TOL
 
 
+@torch.no_grad()
+def test_wide_shallow_tries_run_in_blocks_deep_narrow_ones_in_one_pass():
+    """Under a cap both fit, the plan takes blocks where the dense pass's square of nodes per row moves far
+    more than the blocks' nodes times depth (an n-best list's wide shallow trie), and the one pass where a
+    trie is a single deep path; either way the numbers are the unbounded pass's."""
+    model = tiny_model()
+    wide = [[VOCAB.encode([f"w{a}", f"w{b}", f"w{c}"]) + [EOS_ID] for a in range(12) for b in range(6) for c in (0, 1)]]
+    deep = [[VOCAB.encode([f"w{i % 60}" for i in range(40)]) + [EOS_ID]]]
+    cap = DEFAULT_MAX_WORK_BYTES
+    for rows, blocked in ((wide, True), (deep, False)):
+        tries, tokens, parents, lengths = trie_rows(rows)
+        size = tries[0].size
+        plan = model.tree_plan(size.n_rows, size.max_nodes, size.total_nodes, size.max_depth, size.path_len, cap)
+        assert plan.blocked == blocked and plan.nbytes <= cap
+        assert model._dense_tree_bytes(size.n_rows, size.max_nodes, size.total_nodes) <= cap  # the one pass fits
+        got = model.score_tree(tokens, parents, lengths, max_work_bytes=cap)
+        told = model.score_tree(tokens, parents, lengths, max_work_bytes=cap, plan=plan)
+        dense = model.score_tree(tokens, parents, lengths)
+        assert (got - dense).abs().max() <= TOL and (told - dense).abs().max() <= TOL
+
+
 @pytest.mark.parametrize("cap_mib,split", [(1, True), (4, False)], ids=["sub-tries", "one-blocked-row"])
 def test_scorer_stays_under_the_cap_and_equals_the_unbounded_tree(cap_mib, split):
     model = tiny_model()
@@ -160,9 +182,12 @@ def test_planned_sizes_are_those_of_the_tries_that_run():
     assert (int(forest.depth.max()), len(forest.paths)) == (size.max_depth, size.path_len)
 
 
-def test_trie_sizes_from_sorted_arrays_are_those_of_the_tries():
+@pytest.mark.parametrize("small_tokens", [scoring.SMALL_TRIE_TOKENS, 0], ids=["plain-python", "arrays"])
+def test_trie_sizes_from_sorted_arrays_are_those_of_the_tries(small_tokens, monkeypatch):
     """Admission sizes a request's tries without building them (`trie_size`): same nodes, depth and
-    leaf paths as the trie, with prefixes of other hypotheses, repeats and shared stems."""
+    leaf paths as the trie, with prefixes of other hypotheses, repeats and shared stems; small inputs
+    counted in plain Python, large ones with array operations."""
+    monkeypatch.setattr(scoring, "SMALL_TRIE_TOKENS", small_tokens)
     for seed in range(200):
         r = random.Random(seed)
         seqs = [[r.randrange(4) for _ in range(r.randrange(1, 8))] for _ in range(r.randrange(1, 30))]
