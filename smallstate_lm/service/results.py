@@ -1,7 +1,7 @@
 """A request's answer, from its scored work: per utterance its hypotheses ranked under the
-request's weights (`apply_weights` for lists, `ExpandedLattice.nbest` for lattices, as the CLI
-ranks them), per sentence its log-probs and perplexity. Natural-log scores in dataclasses; the
-HTTP side turns them into the response's models."""
+request's weights (`ranking`, apply_weights' order, for lists; `ExpandedLattice.nbest` for lattices;
+as the CLI ranks them), per sentence its log-probs and perplexity. Natural-log scores in
+dataclasses; the HTTP side turns them into the response's JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from smallstate_lm.rescoring.lattice_decode import Decoded
-from smallstate_lm.rescoring.nbest import Components, apply_weights
+from smallstate_lm.rescoring.nbest import Components, ranking
 from smallstate_lm.rescoring.nbest_confidence import list_confidences
 from smallstate_lm.scoring import Weights, oov_counts
 
@@ -142,20 +142,28 @@ def _strip_context(models: Models, it: NbestItem) -> Components:
 def _ranked_list(models: Models, it: NbestItem, w: Work) -> tuple[RankedUtterance, int]:
     """The list ranked under the request's weights, cut to its nbest; and how many it had."""
     c = _strip_context(models, it)
-    ranked = apply_weights([it.plain], [c], w.weights)[0].hyps
-    confidences = list_confidences([h.words for h in ranked], np.array([h.scores["total"] for h in ranked]),
-                                   w.weights.posterior_scale)
+    # `ranking` is apply_weights' order; the ranked copies of every hypothesis it would make are not needed
+    order, tot, risk = ranking(it.plain, c, w.weights)
+    hyps = it.plain.hyps
+    confidences = list_confidences([hyps[j].words for j in order], tot[order], w.weights.posterior_scale)
     out = []
-    for h in ranked[: w.nbest]:
-        j = int(h.id)
-        r = _ranked(models, h.scores, it.ids[j], h.words, h.scores["rank"], w.weights)
+    for rank, j in enumerate(order[: w.nbest].tolist()):
+        scores = {"am": float(c.am[j]), "graph": float(c.graph[j]), "n_words": int(c.n_words[j]),
+                  "n_oov": int(c.n_oov[j]), "total": float(tot[j])}
+        if c.neural is not None:
+            scores["neural"] = float(c.neural[j])
+        if c.ngram is not None:
+            scores["ngram"] = float(c.ngram[j])
+        if risk is not None and j < len(risk):
+            scores["expected_errors"] = float(risk[j])
+        r = _ranked(models, scores, it.ids[j], hyps[j].words, rank, w.weights)
         if w.token_logprobs:
             r.neural_tok = c.neural_tok[j].tolist() if c.neural_tok is not None else None
             r.ngram_tok = c.ngram_tok[j].tolist() if c.ngram_tok is not None else None
         out.append(r)
     if out:
         out[0].confidences = confidences
-    return RankedUtterance(it.plain.utt, "hypotheses", out), len(ranked)
+    return RankedUtterance(it.plain.utt, "hypotheses", out), len(hyps)
 
 
 def _ranked_lattice(models: Models, it: LatticeItem, w: Weights) -> RankedUtterance:
