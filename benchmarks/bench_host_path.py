@@ -1,0 +1,140 @@
+"""The service's request path, before and after: servers of this tree and of earlier commits side by side
+on loopback, the same model and requests, load rows alternating between them so that machine noise hits
+each alike. Per server: requests/s and hypotheses/s at one concurrency, p99 latency, and the server
+process's CPU time per request (its utime + stime over the row: what the request path costs, whoever else
+shares the cores).
+
+With a small model (`--lm` of a `tiny` run with a small vocabulary) the model's share is small and the rest
+is the host path: parsing, admission, tries, KenLM, ranking, confidences and the response.
+
+    python benchmarks/bench_host_path.py --lm runs/tiny2k --ngram runs/lm4.bin --against 0da5fbf HEAD
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import command, machine, write_section  # noqa: E402
+from service_client import DEV, ROOT, build_requests, free_port, http_get, load  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lm", required=True, help="neural LM run directory")
+    ap.add_argument("--ngram", required=True, help="KenLM model")
+    ap.add_argument("--against", nargs="+", default=[], metavar="REV",
+                    help="git revisions whose servers run beside this working tree's")
+    ap.add_argument("--nbest", nargs="+", default=[str(DEV / "festival_slt" / "nbest.tsv"),
+                                                   str(DEV / "festival_kal" / "nbest.tsv")])
+    ap.add_argument("--shapes", nargs="+", default=["50", "5"], help="hypotheses per request (0: all)")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--rounds", type=int, default=3, help="rows per server and shape (medians reported)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    ap.add_argument("--doc", type=Path, default=None, help="write the section into this markdown file")
+    return ap.parse_args()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worktree(rev: str, parent: Path) -> Path:
+    path = parent / rev.replace("/", "_")
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
+                   capture_output=True)
+    return path
+
+
+def start(root: Path, args) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "smallstate_lm.cli", "serve", "--port", str(port), "--device", "cpu",
+           "--batching", "--threads", str(args.threads), "--set", "log_level=warning", "--set", "max_wait_ms=5.0",
+           "--set", "max_queue=1024", "--lm", str(Path(args.lm).resolve()), "--ngram", str(Path(args.ngram).resolve())]
+    # the tree's own package first: `-m` puts the working directory on the path
+    return subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
+
+
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"a server exited with {proc.returncode} before it was ready")
+        try:
+            if asyncio.run(http_get(port, "/readyz"))[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("a server was not ready in time")
+
+
+def main() -> None:
+    args = parse_args()
+    names = ["this tree"] + args.against
+    with tempfile.TemporaryDirectory(prefix="host-path-") as tmp:
+        roots = [ROOT] + [worktree(rev, Path(tmp)) for rev in args.against]
+        servers = [start(root, args) for root in roots]
+        try:
+            for proc, port in servers:
+                wait_ready(proc, port)
+            rows = []
+            for shape in args.shapes:
+                n = int(shape) or None
+                reqs, hyps = build_requests(args.nbest, n, 200)
+                runs: dict[str, list[dict]] = {name: [] for name in names}
+                for _ in range(args.rounds):
+                    for name, (proc, port) in zip(names, servers):
+                        c0, t0 = cpu_seconds(proc.pid), time.perf_counter()
+                        r = asyncio.run(load(port, reqs, args.concurrency, 1.0, args.seconds))
+                        served = r["rps"] * (time.perf_counter() - t0)  # warm-up included, as the CPU time is
+                        r["cpu_ms"] = 1000 * (cpu_seconds(proc.pid) - c0) / served
+                        runs[name].append(r)
+                        print(f"{shape:>4} {name:12s} {r['rps']:7.1f} req/s  p99 {r['p99']:7.1f} ms  "
+                              f"cpu {r['cpu_ms']:6.2f} ms/request", flush=True)
+                for name in names:
+                    med = {k: statistics.median(r[k] for r in runs[name]) for k in ("rps", "p99", "cpu_ms")}
+                    rows.append((shape, hyps, name, med))
+        finally:
+            for proc, _ in servers:
+                proc.terminate()
+            for proc, _ in servers:
+                proc.wait()
+            for root in roots[1:]:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(root)],
+                               capture_output=True)
+    print(report(args, rows))
+
+
+def report(args, rows) -> str:
+    first = {shape: med for shape, _, name, med in rows if name == "this tree"}
+    lines = [f"## bench_host_path: the request path, this tree against {', '.join(args.against) or 'nothing'}", "",
+             f"- Machine: {machine()}", f"- Command: `{command()}`",
+             f"- Model `{args.lm}`, n-gram `{args.ngram}`; {args.threads} torch thread(s) per server, concurrency "
+             f"{args.concurrency}, {args.seconds:g} s per row after 1 s warm-up, {args.rounds} rows per server and "
+             "shape, alternating; medians. CPU: the server process's utime + stime per request served.", "",
+             "| hypotheses per request | server | requests/s | hypotheses/s | p99 ms | server CPU ms per request "
+             "| this tree's requests/s over it |", "|---|---|---|---|---|---|---|"]
+    for shape, hyps, name, med in rows:
+        ratio = "" if name == "this tree" else f"{first[shape]['rps'] / med['rps']:.2f}x"
+        lines.append(f"| {hyps:.1f} | {name} | {med['rps']:.1f} | {med['rps'] * hyps:,.0f} | {med['p99']:.1f} | "
+                     f"{med['cpu_ms']:.2f} | {ratio} |")
+    text = "\n".join(lines)
+    if args.doc is not None:
+        write_section("bench_host_path-cpu", text, args.doc)
+    return text
+
+
+if __name__ == "__main__":
+    main()
