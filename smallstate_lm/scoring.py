@@ -42,9 +42,9 @@ from .weights import (  # noqa: F401  (the public names of score combination, re
 # otherwise: small beside a server's memory, ample for n-best lists of ordinary size
 # (a trie past a few thousand nodes runs in blocks, or in sub-tries, within it).
 DEFAULT_MAX_WORK_BYTES = 256 * 2**20
-# Up to this many tokens, trie sizes are counted in plain Python (a 5-best list: 6 us against 52 us for the
-# array operations, which win from about 600 tokens; AMD EPYC)
-SMALL_TRIE_TOKENS = 512
+# Up to this many tokens, trie sizes are counted in plain Python (a 5-best list, 59 tokens: 6 us against 52 us
+# for the array operations; a 50-best list, 565 tokens: 47 against 62 us; the arrays win from about 1,000; AMD EPYC)
+SMALL_TRIE_TOKENS = 768
 
 
 @dataclass(frozen=True)
