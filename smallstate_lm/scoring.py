@@ -204,15 +204,19 @@ class NeuralScorer:
         return self.vocab.encode(words) + [EOS_ID]
 
     @torch.no_grad()
-    def token_logprobs(self, groups: Sequence[Sequence[Sequence[str]]]) -> list[list[np.ndarray]]:
-        """groups: per utterance, its hypotheses as word lists. Returns, per utterance
-        and hypothesis, an array of len(words)+1 log-probs (the last one is `</s>`)."""
+    def token_logprobs(self, groups: Sequence[Sequence[Sequence[str]]],
+                       sizes: Sequence[TreeSize] | None = None) -> list[list[np.ndarray]]:
+        """groups: per utterance, its hypotheses as word lists; `sizes`, when the caller has them, the
+        `trie_size` of each utterance's encoded hypotheses. Returns, per utterance and hypothesis, an array of
+        len(words)+1 log-probs (the last one is `</s>`)."""
         encoded = [[self.encode(h) for h in hyps] for hyps in groups]
         out: list[list[np.ndarray]] = [[None] * len(h) for h in encoded]  # type: ignore[list-item]
         self.model.eval()
-        # sized once here when the choice of path needs the tries' sizes, for the plan too
-        sizes = [trie_size(hyps) for hyps in encoded] if self.share_prefixes and self.path_costs is not None else None
-        if not self.share_prefixes or (sizes is not None and not self._tree_pays(encoded, sizes)):
+        if sizes is None and self.share_prefixes and self.path_costs is not None:
+            # sized once here when the choice of path needs the tries' sizes, for the plan too
+            sizes = [trie_size(hyps) for hyps in encoded]
+        sizes = list(sizes) if sizes is not None and self.share_prefixes else None
+        if not self.share_prefixes or (self.path_costs is not None and not self._tree_pays(encoded, sizes)):
             self._score_padded(encoded, out)
             return out
         if self.use_tree:

@@ -182,6 +182,19 @@ def test_planned_sizes_are_those_of_the_tries_that_run():
     assert (int(forest.depth.max()), len(forest.paths)) == (size.max_depth, size.path_len)
 
 
+@torch.no_grad()
+def test_sizes_from_the_caller_plan_as_the_scorers_own():
+    """The service sizes a request's tries when it admits it and hands the sizes to the scorer, which then
+    does not size them again: the same plan, the same numbers."""
+    model = tiny_model()
+    groups = [long_hypotheses(12, 40, seed=1), long_hypotheses(5, 35, seed=2)]
+    scorer = NeuralScorer(model, VOCAB)
+    sizes = [trie_size([scorer.encode(h) for h in hyps]) for hyps in groups]
+    for a, b in zip(scorer.token_logprobs(groups), scorer.token_logprobs(groups, sizes)):
+        for x, y in zip(a, b):
+            assert (x == y).all()
+
+
 @pytest.mark.parametrize("small_tokens", [scoring.SMALL_TRIE_TOKENS, 0], ids=["plain-python", "arrays"])
 def test_trie_sizes_from_sorted_arrays_are_those_of_the_tries(small_tokens, monkeypatch):
     """Admission sizes a request's tries without building them (`trie_size`): same nodes, depth and

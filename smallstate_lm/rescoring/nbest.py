@@ -103,10 +103,12 @@ def first_pass_components(u: Utterance, known) -> Components:
 
 
 def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = None, ngram: NgramLM | None = None,
-                       progress: bool = True, check: bool = True) -> tuple[list[Components], ScoreStats]:
+                       progress: bool = True, check: bool = True,
+                       sizes: Sequence | None = None) -> tuple[list[Components], ScoreStats]:
     """Score every hypothesis with each LM given; the neural LM sees all utterances
     in batches (prefix-shared unless its scorer says otherwise). `check=False`: the caller has
-    made check_overlap's vocabulary checks on these hypotheses already."""
+    made check_overlap's vocabulary checks on these hypotheses already; `sizes`: each utterance's
+    trie size (`TreeSize`) as the neural LM's scorer sees it, when the caller has them."""
     for u in utts:
         if not u.hyps:
             raise SmallstateError(f"utterance {u.utt!r} has an empty hypothesis list")
@@ -126,7 +128,8 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
         chunk = 64  # utterances per progress update; the scorer batches within
         for i in tqdm(range(0, len(utts), chunk), disable=not progress, desc="neural LM", unit="chunk"):
             part = utts[i : i + chunk]
-            tok = neural.token_logprobs([[h.words for h in u.hyps] for u in part])
+            tok = neural.token_logprobs([[h.words for h in u.hyps] for u in part],
+                                        sizes[i : i + chunk] if sizes is not None else None)
             for c, t in zip(comps[i : i + chunk], tok):
                 c.neural_tok = t
                 c.neural = np.array([x.sum() for x in t])

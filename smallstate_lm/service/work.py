@@ -43,6 +43,7 @@ class NbestItem:
     cost: int = 0  # neural LM tokens computed (trie nodes)
     depth: int = 0  # tokens of its longest hypothesis (with the context and </s>)
     seconds: float = 0.0  # predicted by the cost model
+    tree: TreeSize | None = None  # its trie's size (`scored` as the neural LM sees it), when prefixes are shared
     # scored in pieces (hypothesis indices each) when one step would take too long; their LM scores meanwhile
     neural_tok: list | None = None
     ngram_tok: list | None = None
@@ -173,6 +174,7 @@ def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tupl
     tokens and predicted peak bytes. `size`: its trie's (`_trie_sizes`; None unless the scorer shares prefixes)."""
     seqs = [h.words for h in it.scored.hyps]
     tokens, it.cost, it.depth, nbytes, it.seconds = _list_estimate(models, seqs, size)
+    it.tree = size
     return tokens, nbytes
 
 

@@ -209,7 +209,9 @@ class Worker:
     def _score_chunk(self, pairs: list[tuple[Job, NbestItem]]) -> None:
         neural, ngram = self.models.neural, self.models.ngram
         try:
-            comps, _ = compute_components([it.scored for _, it in pairs], neural, ngram, progress=False, check=False)
+            trees = [it.tree for _, it in pairs]  # sized by make_work: the scorer need not size them again
+            comps, _ = compute_components([it.scored for _, it in pairs], neural, ngram, progress=False, check=False,
+                                          sizes=None if None in trees else trees)
             for (_, it), c in zip(pairs, comps):
                 it.comps = c
         except Exception as e:
