@@ -19,8 +19,16 @@ import time
 from pathlib import Path
 
 from common import command, machine, write_section
-from service_client import (DEV, ROOT, ServerProcess, build_requests, http_get, post_bytes, read_response,
-                            service_section)
+from service_client import (
+    DEV,
+    ROOT,
+    ServerProcess,
+    build_requests,
+    http_get,
+    post_bytes,
+    read_response,
+    service_section,
+)
 
 from smallstate_lm.rescoring.nbest_io import read_nbest
 

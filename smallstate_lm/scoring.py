@@ -8,7 +8,6 @@ calls an LM again. All scores are natural log.
 from __future__ import annotations
 
 import functools
-
 import itertools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -25,9 +24,9 @@ from .weights import (  # noqa: F401  (the public names of score combination, re
     Weights,
     check_overlap,
     count_oov,
-    oov_counts,
     lm_score,
     log_mix,
+    oov_counts,
     oov_reference,
     weight_vector,
     weighted_total,

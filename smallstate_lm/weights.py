@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections import Counter
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal, Sequence

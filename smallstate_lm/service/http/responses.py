@@ -91,8 +91,8 @@ def _usage(c) -> dict:
 
 
 def _finite(values):
-    """`values` (None passes), when every one is finite; else the request's scores overflowed (extreme but finite lattice
-    costs): JSON has no inf or NaN, and msgspec would write them as null."""
+    """`values` (None passes), when every one is finite; else the request's scores overflowed (extreme but
+    finite lattice costs): JSON has no inf or NaN, and msgspec would write them as null."""
     if values is not None and not math.isfinite(sum(values)) and not all(map(math.isfinite, values)):
         raise ServiceError("a score is not finite: the input's scores or costs are too large", "utterances")
     return values
