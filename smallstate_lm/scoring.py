@@ -288,21 +288,19 @@ class NeuralScorer:
                          + 2 * cfg.n_heads * longest)
         return WorkCost(nodes, max(self.batch_tokens, longest) * per_token)
 
-    def _plan_trees(self, encoded, sizes: list[TreeSize] | None = None,
-                    build: bool = False) -> tuple[list[list[_TreeRow]], int, int]:
+    def _plan_trees(self, encoded, sizes: list[TreeSize] | None = None) -> tuple[list[list[_TreeRow]], int, int]:
         """The tree-attention plan for utterances of encoded hypotheses (their tries' `sizes`, when known):
         batches of rows within `batch_tokens` and the cap, the utterances' trie nodes, and the plan's peak
-        bytes (above the cap: a hypothesis alone does not fit). `build`: the rows' tries are built now
-        (for scoring), else when their row runs."""
+        bytes (above the cap: a hypothesis alone does not fit)."""
         rows: list[_TreeRow] = []
         nodes = 0
         for u, hyps in enumerate(encoded):
-            # scoring needs the trie anyway: built here, it gives its size too
-            trie = PrefixTrie(hyps) if sizes is None and build else None
-            size = sizes[u] if sizes is not None else trie.size if trie is not None else trie_size(hyps)
+            # sized from counts; a row's trie is built when its batch runs, so that one batch's tries are
+            # alive at a time (a request near max_trie_nodes: some 40 MB of Python objects)
+            size = sizes[u] if sizes is not None else trie_size(hyps)
             nodes += size.total_nodes
             if self._fits(size):
-                rows.append(_TreeRow(u, list(range(len(hyps))), size, trie))
+                rows.append(_TreeRow(u, list(range(len(hyps))), size))
             else:
                 rows.extend(self._split(u, hyps))
         rows.sort(key=lambda r: r.size.max_nodes)
@@ -330,7 +328,7 @@ class NeuralScorer:
 
     def _score_trees(self, encoded, out, sizes: list[TreeSize] | None = None) -> None:
         """Tree attention over each utterance's trie (or its sub-tries), batched as planned."""
-        batches, _, peak = self._plan_trees(encoded, sizes, build=True)
+        batches, _, peak = self._plan_trees(encoded, sizes)
         if self.max_work_bytes is not None and peak > self.max_work_bytes:
             raise WorkLimitError(f"scoring these hypotheses needs {peak / 2**20:.1f} MiB of working memory even one "
                                  f"hypothesis at a time, more than max_work_bytes ({self.max_work_bytes / 2**20:.1f} "

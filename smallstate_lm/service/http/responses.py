@@ -9,6 +9,7 @@ import math
 from typing import Callable
 
 import msgspec
+import numpy as np
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
@@ -21,7 +22,17 @@ from .state import Service
 # After a request body this large, freed memory goes back to the OS: the allocator keeps what it freed otherwise.
 LARGE_BYTES = 2**20
 WEIGHT_FIELDS = tuple(WeightsOut.model_fields)
-_ENCODER = msgspec.json.Encoder()
+
+
+def _plain(obj):
+    """numpy scalars as the Python values they hold (msgspec encodes only the builtin types; a numpy value that
+    reaches a response must not turn it into a 500)."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"{type(obj).__name__} cannot be written as JSON")
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_plain)
 
 
 async def answer(svc: Service, inline: bool, build: Callable[[], Response], size: int) -> Response:
