@@ -101,6 +101,20 @@ def test_neural_scorer_on_cuda_matches_cpu(share, cap):
     _assert_close(want, got, TOL)
 
 
+def test_wide_tries_keep_the_dense_pass_on_cuda_where_blocks_pay_on_a_cpu():
+    """The byte count that sends a CPU's wide shallow tries to blocks does not on a GPU, where launches bound a
+    small model's time and blocks launch more."""
+    if not DEV.startswith("cuda"):
+        pytest.skip("the GPU's choice of plan (the suite run on the CPU has none)")
+    vocab = Vocabulary.build([[f"w{i}" for i in range(60)]])
+    model, model_gpu = _cpu_and_device_models(vocab)
+    # an n-best list's shape: 144 hypotheses of 3 words, a wide trie 4 deep with </s>
+    n_rows, max_nodes, total, depth, path_len = 1, 12 + 72 + 144 + 144, 12 + 72 + 144 + 144, 4, 144 * 5
+    cap = 256 * 2**20
+    assert model.tree_plan(n_rows, max_nodes, total, depth, path_len, cap).blocked
+    assert not model_gpu.tree_plan(n_rows, max_nodes, total, depth, path_len, cap).blocked
+
+
 def test_path_choice_on_cuda_matches_cpu():
     """The scorer measures both paths on the device (as the service and rescore do on CUDA) and gives the CPU's
     numbers whichever it takes."""
