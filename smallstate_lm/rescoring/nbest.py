@@ -143,6 +143,24 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
     return comps, stats
 
 
+def hypothesis_scores(c: Components, tot: np.ndarray, risk: np.ndarray | None, j: int,
+                      rank: int | None = None) -> dict:
+    """Hypothesis j's scores as a ranked list carries them: its components (natural log; `neural`/`ngram` only
+    with that LM), word and OOV counts, `total`, its `rank` when given and, among the MBR candidates,
+    `expected_errors`."""
+    scores = {"am": float(c.am[j]), "graph": float(c.graph[j]), "n_words": int(c.n_words[j]),
+              "n_oov": int(c.n_oov[j]), "total": float(tot[j])}
+    if rank is not None:
+        scores["rank"] = rank
+    if c.neural is not None:
+        scores["neural"] = float(c.neural[j])
+    if c.ngram is not None:
+        scores["ngram"] = float(c.ngram[j])
+    if risk is not None and j < len(risk):
+        scores["expected_errors"] = float(risk[j])
+    return scores
+
+
 def apply_weights(utts: Sequence[Utterance], comps: Sequence[Components], w: Weights) -> list[Utterance]:
     """New utterances with hypotheses sorted best-first (highest total, or fewest expected
     errors under MBR), each carrying its components, `total`, `rank` and, under MBR,
@@ -153,14 +171,7 @@ def apply_weights(utts: Sequence[Utterance], comps: Sequence[Components], w: Wei
         hyps = []
         for rank, j in enumerate(order):
             h = u.hyps[j]
-            scores = {"am": float(c.am[j]), "graph": float(c.graph[j]), "n_words": int(c.n_words[j]),
-                      "n_oov": int(c.n_oov[j]), "total": float(tot[j]), "rank": rank}
-            if c.neural is not None:
-                scores["neural"] = float(c.neural[j])
-            if c.ngram is not None:
-                scores["ngram"] = float(c.ngram[j])
-            if risk is not None and j < len(risk):
-                scores["expected_errors"] = float(risk[j])
-            hyps.append(type(h)(words=h.words, am=h.am, graph=h.graph, id=h.id, scores=scores))
+            hyps.append(type(h)(words=h.words, am=h.am, graph=h.graph, id=h.id,
+                                scores=hypothesis_scores(c, tot, risk, j, rank)))
         out.append(Utterance(u.utt, hyps))
     return out

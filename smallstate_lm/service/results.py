@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from smallstate_lm.rescoring.lattice_decode import Decoded
-from smallstate_lm.rescoring.nbest import Components, ranking
+from smallstate_lm.rescoring.nbest import Components, hypothesis_scores, ranking
 from smallstate_lm.rescoring.nbest_confidence import list_confidences
 from smallstate_lm.scoring import Weights, oov_counts
 
@@ -148,15 +148,7 @@ def _ranked_list(models: Models, it: NbestItem, w: Work) -> tuple[RankedUtteranc
     confidences = list_confidences([hyps[j].words for j in order], tot[order], w.weights.posterior_scale)
     out = []
     for rank, j in enumerate(order[: w.nbest].tolist()):
-        scores = {"am": float(c.am[j]), "graph": float(c.graph[j]), "n_words": int(c.n_words[j]),
-                  "n_oov": int(c.n_oov[j]), "total": float(tot[j])}
-        if c.neural is not None:
-            scores["neural"] = float(c.neural[j])
-        if c.ngram is not None:
-            scores["ngram"] = float(c.ngram[j])
-        if risk is not None and j < len(risk):
-            scores["expected_errors"] = float(risk[j])
-        r = _ranked(models, scores, it.ids[j], hyps[j].words, rank, w.weights)
+        r = _ranked(models, hypothesis_scores(c, tot, risk, j), it.ids[j], hyps[j].words, rank, w.weights)
         if w.token_logprobs:
             r.neural_tok = c.neural_tok[j].tolist() if c.neural_tok is not None else None
             r.ngram_tok = c.ngram_tok[j].tolist() if c.ngram_tok is not None else None
