@@ -110,6 +110,25 @@ def test_a_request_behind_too_much_queued_work_gets_503_with_retry_after(deep):
         s.close()
 
 
+def test_behind_too_much_queued_work_a_large_request_is_refused_before_the_rest_of_it_is_read(deep):
+    """Three wide lattices and a bad one: behind the deep list the first lattice already passes one slice, so
+    the request is refused there (the bad lattice never read); on an idle worker it is read to its end."""
+    fans = [{**fan_lattice()["utterances"][0], "id": f"fan{i}"} for i in range(3)]
+    request = {"utterances": [*fans, {"id": "bad", "lattice": {"format": "openfst-text", "data": "0 1 x\n"}}]}
+    stops0 = running_stops(deep)
+    s = raw_request(deep, json.dumps(deep_list(seed=4)).encode())
+    try:
+        on_worker(deep)
+        r = post(deep, "/rescore", request, {"X-Request-Timeout": "6"})
+        body = _check(r, 503)
+        assert "queued ahead" in body["detail"] and "at least" in body["detail"], body
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        s.close()
+    wait_until(lambda: running_stops(deep) > stops0, what="the worker to stop the abandoned list")
+    _check(post(deep, "/rescore", request, {"X-Request-Timeout": "6"}), 422, field="utterances[3].lattice.data")
+
+
 def test_predicted_seconds_and_bytes_over_the_limits_are_413_naming_them(tiny_lm_dir, kenlm_model, tmp_path):
     srv = Server(tiny_lm_dir, kenlm_model, "max_trie_nodes=400000", "max_request_seconds=2",
                  "max_request_bytes=20000000", "max_level_bytes=100000000", "drain_seconds=0",

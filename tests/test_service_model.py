@@ -11,6 +11,7 @@ from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
 from smallstate_lm.rescoring.lattice_expand import build_rescorer
 from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
 from smallstate_lm.scoring import Weights
+from smallstate_lm.service.errors import Unavailable
 from smallstate_lm.service.inputs import parse_lattice
 from smallstate_lm.service.model import Models
 from smallstate_lm.service.schemas import LatticeIn
@@ -31,6 +32,34 @@ def models(tiny_lm_dir, kenlm_model) -> Models:
 def _lattices() -> list[Lattice]:
     symbols = SymbolTable.read(LAT_DIR / "words.txt")
     return [prepared(read_fst(p, symbols)) for p in sorted(LAT_DIR.glob("*.lat.fst"))[:3]]
+
+
+class _Told:
+    """An `inputs.Early` that records what it is told, and refuses (`refuse(seconds)`) when given."""
+
+    def __init__(self, refuse=None):
+        self.told, self.floors, self.refuse = [], [], refuse
+
+    def lists(self, seconds: float) -> None:
+        self.told.append(seconds)
+        if self.refuse is not None:
+            self.refuse(seconds)
+
+    def so_far(self, seconds: float) -> None:
+        self.floors.append(seconds)
+
+
+class _Busy(_Told):
+    """Refuses the request once its floor passes `slice_s`, as the service does while its worker is busy."""
+
+    def __init__(self, slice_s: float):
+        super().__init__()
+        self.slice_s = slice_s
+
+    def so_far(self, seconds: float) -> None:
+        super().so_far(seconds)
+        if seconds > self.slice_s:
+            raise Unavailable(f"at least {seconds} s")
 
 
 class _CountingKenLM:
@@ -104,8 +133,9 @@ def test_lists_are_refused_before_they_are_built_with_the_prediction_make_work_m
                                    "am_score": -1.0, "graph_score": -1.0} for _ in range(rng.randint(1, 40))]}
                   for i in range(12)]
     body = RescoreRequest.model_validate({"utterances": utterances})
-    told = []
-    work = rescore_work(body, models, models.s, told.append)
+    early = _Told()
+    work = rescore_work(body, models, models.s, early)
+    told = early.told
     assert told == [pytest.approx(work.seconds - work.lattice_seconds, rel=1e-12)] and told[0] > 0
 
     def refuse(seconds):
@@ -115,10 +145,83 @@ def test_lists_are_refused_before_they_are_built_with_the_prediction_make_work_m
     build = inputs._hypotheses
     monkeypatch.setattr(inputs, "_hypotheses", lambda *a: built.append(a[1]) or build(*a))
     with pytest.raises(CostLimitError, match=f"^{told[0]} s$"):
-        rescore_work(body, models, models.s, refuse)
+        rescore_work(body, models, models.s, _Told(refuse))
     assert not built, "no hypothesis was built for a request refused by its prediction"
-    rescore_work(body, models, models.s, told.append)
+    rescore_work(body, models, models.s, _Told())
     assert len(built) == len(utterances)
+
+
+def test_the_floor_told_as_a_request_grows_never_passes_its_prediction(models):
+    """While the worker is busy, a request is refused as soon as a floor of its prediction passes one slice;
+    the floor (tokens and longest hypothesis per list, no trie) must never pass what `make_work` predicts,
+    or a request the full check lets in would be refused: short and deep lists, shared prefixes or none,
+    with context, lists scored whole and in pieces."""
+    import random
+
+    from smallstate_lm.service.inputs import rescore_work
+    from smallstate_lm.service.schemas import RescoreRequest
+
+    words = models.loaded.vocab.words[4:300]
+    rng = random.Random(5)
+    for trial in range(40):
+        few = rng.choice([2, 14, 200])  # how many distinct words: 2 and 14 share most prefixes
+
+        def hypothesis(few: int = few) -> dict:
+            return {"words": [rng.choice(words[:few]) for _ in range(rng.randint(1, rng.choice([8, 60])))],
+                    "am_score": -1.0}
+
+        utterances = [{"id": f"u{i}", "context": rng.choice([None, "and god said"]),
+                       "hypotheses": [hypothesis() for _ in range(rng.choice([1, 5, 50, 300]))]}
+                      for i in range(rng.randint(1, 4))]
+        body = RescoreRequest.model_validate({"utterances": utterances})
+        early = _Told()
+        work = rescore_work(body, models, models.s, early)
+        assert len(early.floors) == len(utterances) and early.floors == sorted(early.floors)
+        assert 0 < early.floors[-1] <= work.seconds * (1 + 1e-9), (trial, early.floors[-1], work.seconds)
+
+
+def test_a_busy_service_refuses_a_growing_request_before_the_rest_of_it_is_read(models, monkeypatch):
+    """Lists: refused at the first list whose floor passes a slice, before any trie is sized or hypothesis
+    built; lattices: refused at the first lattice that passes it, the rest never parsed (a bad one among
+    them included: the service could not look at it)."""
+    import random
+
+    from smallstate_lm.service import inputs
+    from smallstate_lm.service.schemas import RescoreRequest
+
+    words = models.loaded.vocab.words[4:100]
+    rng = random.Random(7)
+    lists = [{"id": f"u{i}", "hypotheses": [{"words": [rng.choice(words) for _ in range(30)], "am_score": -1.0}
+                                            for _ in range(200)]} for i in range(6)]
+    body = RescoreRequest.model_validate({"utterances": lists})
+    floors = _Told()
+    inputs.rescore_work(body, models, models.s, floors)
+    built = []
+    build = inputs._hypotheses
+    monkeypatch.setattr(inputs, "_hypotheses", lambda *a: built.append(a[1]) or build(*a))
+    busy = _Busy(slice_s=(floors.floors[1] + floors.floors[2]) / 2)  # passed at the third list
+    with pytest.raises(Unavailable):
+        inputs.rescore_work(body, models, models.s, busy)
+    assert busy.floors == floors.floors[:3] and not busy.told and not built
+
+    lat = _lattices()[0]
+    rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
+    text = "\n".join("\t".join(r[:2] + [lat.symbols.word(int(r[2]))] * 2 + r[4:]) if len(r) == 5 else "\t".join(r)
+                     for r in rows) + "\n"
+    lattices = [{"id": f"u{i}", "lattice": {"format": "openfst-text", "data": text}} for i in range(3)]
+    lattices.append({"id": "bad", "lattice": {"format": "openfst-text", "data": "0 1 x\n"}})
+    body = RescoreRequest.model_validate({"utterances": lattices})
+    parsed = []
+    parse = inputs.parse_lattice
+    monkeypatch.setattr(inputs, "parse_lattice", lambda *a: parsed.append(a[1]) or parse(*a))
+    one = _Told()
+    # not busy: every lattice is read, the bad one named
+    with pytest.raises(inputs.ServiceError, match=r"^utterances\[3\]\.lattice"):
+        inputs.rescore_work(body, models, models.s, one)
+    parsed.clear()
+    with pytest.raises(Unavailable):
+        inputs.rescore_work(body, models, models.s, _Busy(slice_s=1.5 * one.floors[0]))
+    assert parsed == ["utterances[0].lattice", "utterances[1].lattice"]
 
 
 def test_lattices_stop_being_parsed_once_their_predicted_seconds_pass_the_limit(models, monkeypatch):

@@ -6,7 +6,7 @@ so the routes may run them on any thread."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Protocol
 
 from smallstate_lm.rescoring.fst_text import FstTextColumns, fst_text_columns
 from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
@@ -23,6 +23,7 @@ from .work import (
     NbestItem,
     Work,
     lattice_item,
+    list_floor,
     lists_seconds,
     make_work,
     nbest_item,
@@ -31,18 +32,25 @@ from .work import (
 )
 
 
-def rescore_work(body: RescoreRequest, models: Models, s: Settings,
-                 check_lists: Callable[[float], None] | None = None) -> Work:
-    """The request's work. `check_lists(seconds)`, when given, is told what its hypothesis lists are predicted
-    to take before they are built (a request the deadline refuses anyway costs a fraction of its building)."""
+class Early(Protocol):
+    """What a large request's preparation tells as it goes (the service's admission, which may refuse it):
+    what its hypothesis lists are predicted to take, before they are built, and a floor of what the request
+    will be predicted to take, as it grows. A request refused anyway then costs a fraction of its building."""
+
+    def lists(self, seconds: float) -> None: ...
+
+    def so_far(self, seconds: float) -> None: ...
+
+
+def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early | None = None) -> Work:
+    """The request's work; `early`, when given, is told what is known of its cost before the bulk of it."""
     if len(body.utterances) > s.max_utterances:
         raise LimitError(f"{len(body.utterances)} utterances, more than the limit of {s.max_utterances} "
                          f"(max_utterances)", "utterances", s.max_utterances)
     if body.nbest is not None and body.nbest > s.max_nbest:
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
     weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
-    if check_lists is not None:
-        _check_lists_early(body, models, s, check_lists)
+    lists_floor = _check_lists_early(body, models, s, early) if early is not None else 0.0
     items: list[NbestItem | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
@@ -65,6 +73,8 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings,
                                      s.max_lattice_cost)
             item = lattice_item(models, lat, body.nbest or s.lattice_nbest, shape)
             lattice_s += item.seconds
+            if early is not None:
+                early.so_far(lists_floor + lattice_s)
             if lattice_s > s.max_request_seconds:
                 raise CostLimitError(f"the request's lattices up to {where} alone would take up to {lattice_s:.1f} s "
                                      f"on this server (predicted by its cost model), more than the limit of "
@@ -77,22 +87,30 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings,
     return work
 
 
-def _check_lists_early(body: RescoreRequest, models: Models, s: Settings, check: Callable[[float], None]) -> None:
+def _check_lists_early(body: RescoreRequest, models: Models, s: Settings, early: Early) -> float:
     """The request's hypothesis lists predicted as `make_work` will predict them, from the request's words (any
-    context first), and told to `check`. Lists over a count limit are left to `_hypotheses`, which names them."""
+    context first), and told to `early`; before that, list by list, a floor of that prediction that costs one
+    pass over the hypotheses (no trie), told as it grows. Lists over a count limit are left to `_hypotheses`,
+    which names them. Returns the floor."""
     lists = []
+    floor = 0.0
     for u in body.utterances:
         if u.hypotheses is None:
             continue
         if len(u.hypotheses) > s.max_hypotheses:
-            return
+            return floor
         context = u.context.split() if u.context else []
-        seqs = [context + (h.words if h.words is not None else h.text.split()) for h in u.hypotheses]
-        if len(context) > s.max_words or any(len(q) > s.max_words + len(context) for q in seqs):
-            return
+        seqs = [h.words if h.words is not None else h.text.split() for h in u.hypotheses]
+        if len(context) > s.max_words or max(map(len, seqs)) > s.max_words:
+            return floor
+        if context:
+            seqs = [context + q for q in seqs]
         lists.append(seqs)
+        floor += list_floor(models, seqs)
+        early.so_far(floor)
     if lists:
-        check(lists_seconds(models, lists))
+        early.lists(lists_seconds(models, lists))
+    return floor
 
 
 def _check_cost(work: Work, field: str, s: Settings) -> None:

@@ -210,6 +210,21 @@ def lists_seconds(models: Models, lists: list[list[list[str]]]) -> float:
     return _lists_seconds(models, [_list_estimate(models, seqs, size)[4] for seqs, size in zip(lists, sizes)])
 
 
+def list_floor(models: Models, seqs: list[list[str]]) -> float:
+    """A floor under the share of a request's predicted seconds (`make_work`'s) that the hypothesis list `seqs`
+    (word sequences as the LMs see them) adds, from its tokens and its longest sequence alone: one pass over
+    the list, no trie. A request's lists are predicted to take at least the sum of their floors."""
+    if not seqs:
+        return 0.0
+    tokens = sum(map(len, seqs)) + len(seqs)
+    depth = max(map(len, seqs)) + 1
+    neural = models.neural is not None
+    # a trie holds the longest sequence's path at least; a scorer without prefix sharing computes more nodes
+    seconds = models.cost.nbest_seconds(depth - 1, depth, tokens, neural, models.ngram is not None, models.step_s)
+    # as `_lists_seconds` counts a list scored whole (monotone in `seconds`: a floor stays a floor)
+    return seconds - (models.cost.call_s if neural and seconds <= models.step_s else 0.0)
+
+
 def _trie_sizes(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
     """The size of the prefix trie the scorer builds over each list of word sequences (all None unless the
     scorer shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""

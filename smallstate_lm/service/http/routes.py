@@ -12,7 +12,7 @@ from ..schemas import ErrorResponse, ModelsResponse, RescoreRequest, RescoreResp
 from .bodies import off_loop, read_body
 from .errors import ERRORS
 from .responses import answer, rescore_response, score_response
-from .state import Service, deadline_check
+from .state import Service
 
 INLINE_WORDS = 1000  # words (roughly) a request may have to be prepared on the event loop
 INLINE_HYPOTHESES = 100  # and hypotheses its answer may have to be built there too (~0.5 ms)
@@ -35,7 +35,7 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         inline = not lattice and words <= INLINE_WORDS
         # a large request's lists are checked against its deadline before they are built; a small one's cost
         # less to build than to check twice
-        early = None if inline else deadline_check(request, timeout, "utterances")
+        early = None if inline else svc.early_checks(request, timeout, "utterances")
         work = await off_loop(inline, rescore_work, body, svc.models, svc.settings, early)
         result = await svc.submit(work, request, timeout)
         inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES

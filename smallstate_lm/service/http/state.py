@@ -210,15 +210,51 @@ class Service:
         reliable."""
         check_lists(work.seconds - work.lattice_seconds, remaining, timeout,
                     "sentences" if work.kind == "score" else "utterances")
-        own = job.seconds
-        if not job.long:
-            return
+        if job.long:
+            backlog = self.long_backlog()
+            if backlog is not None and (backlog + job.seconds) * LONG_WAIT > remaining:
+                raise overloaded(backlog, remaining, f"this request about {job.seconds:.1f} s")
+
+    def long_backlog(self) -> float | None:
+        """The long requests' backlog in worker seconds while the worker is busy (what a long request queues
+        behind), None while it is not (a long request is let in). Read on the event loop only."""
         backlog = self.batcher.backlog(long=True)
-        busy = backlog > self.batcher.slice_s or self.batcher.backlog(long=False) > self.batcher.slice_s
-        if busy and (backlog + own) * LONG_WAIT > remaining:
-            raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and this request "
-                              f"about {own:.1f} s, more than its deadline allows ({remaining:.1f} s left); retry "
-                              "later", retry_after=max(1, math.ceil(backlog)))
+        slice_s = self.batcher.slice_s
+        return backlog if backlog > slice_s or self.batcher.backlog(long=False) > slice_s else None
+
+    def early_checks(self, request: Request, timeout: float, field: str) -> EarlyChecks:
+        """The checks a large request's preparation makes as it goes, with the worker's backlog as it is now."""
+        deadline = request.scope.get(T0, time.perf_counter()) + timeout
+        return EarlyChecks(deadline, timeout, field, self.batcher.slice_s, self.long_backlog())
+
+
+def overloaded(backlog: float, remaining: float, own: str) -> Unavailable:
+    return Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and {own}, more than its "
+                       f"deadline allows ({remaining:.1f} s left); retry later", retry_after=max(1, math.ceil(backlog)))
+
+
+class EarlyChecks:
+    """What a large request's preparation (on any thread) checks before the bulk of its work, so that a request
+    refused anyway costs a fraction of its preparation: its hypothesis lists against its deadline (`lists`, with
+    what they are predicted to take), and, while the worker is busy with long work, any part of it that is
+    already longer than one slice against the backlog (`so_far`, with a floor of what it will be predicted to
+    take): the same refusals as `Service._admit`'s, made with what is known so far."""
+
+    def __init__(self, deadline: float, timeout: float, field: str, slice_s: float, backlog: float | None):
+        self.deadline, self.timeout, self.field = deadline, timeout, field
+        self.slice_s, self.backlog = slice_s, backlog
+
+    def lists(self, seconds: float) -> None:
+        check_lists(seconds, self.deadline - time.perf_counter(), self.timeout, self.field)
+
+    def so_far(self, seconds: float) -> None:
+        """503 when the request needs at least `seconds` (a floor of its prediction), more than one slice, and
+        the long work queued ahead already fills what its deadline allows."""
+        if self.backlog is None or seconds <= self.slice_s:
+            return
+        remaining = self.deadline - time.perf_counter()
+        if self.backlog * LONG_WAIT > remaining:
+            raise overloaded(self.backlog, remaining, f"this request at least {seconds:.1f} s")
 
 
 def check_lists(lists: float, remaining: float, timeout: float, field: str) -> None:
@@ -229,13 +265,6 @@ def check_lists(lists: float, remaining: float, timeout: float, field: str) -> N
                              f"(predicted by its cost model), more than its deadline allows ({remaining:.1f} s "
                              f"left of {timeout:g} s, of which the worker shares a part with other requests)",
                              field, timeout)
-
-
-def deadline_check(request: Request, timeout: float, field: str):
-    """`check_lists` for this request at the moment it is called: for refusing hypothesis lists while they are
-    prepared, before the work of building them (its deadline counts from the request's arrival)."""
-    deadline = request.scope.get(T0, time.perf_counter()) + timeout
-    return lambda lists: check_lists(lists, deadline - time.perf_counter(), timeout, field)
 
 
 async def _disconnected(receive) -> None:
