@@ -42,6 +42,9 @@ class Metrics:
         self.work_cancelled = Counter("smallstate_work_cancelled", "Jobs of given-up requests whose work the worker "
                                       "skipped (stage=queued) or stopped part-way (stage=running).", ["stage"],
                                       registry=r)
+        self.priced = Counter("smallstate_priced", "Large request bodies priced in the pricing process, by outcome: "
+                              "refused (answered 4xx/503 from its price), let_in, or unpriced (left to the server).",
+                              ["outcome"], registry=r)
         self.header_timeouts = Counter("smallstate_header_timeouts", "Connections closed because a request's head "
                                        "did not arrive within header_timeout_s.", registry=r)
 

@@ -82,6 +82,9 @@ class Settings:
     # Worker time one batch or lattice expansion gets before the worker turns to other queued work: a long
     # job holds small ones for at most about this long.
     slice_ms: float = 50.0
+    # Price large request bodies (64 KiB and more) in a forked copy of the warmed-up service (Linux), so that one
+    # refused anyway does not hold the server's interpreter (docs/service.md, "The pricing process").
+    pricer: bool = True
     # ---- shutdown -------------------------------------------------------------------------
     drain_seconds: float = 1.0  # after SIGTERM: /readyz answers 503 this long before the listener closes
     graceful_timeout_s: float = 30.0  # then in-flight requests get this long to finish

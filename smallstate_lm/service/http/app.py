@@ -13,6 +13,7 @@ from ..schemas import RescoreRequest, ScoreRequest
 from ..settings import Settings
 from .errors import add_error_handlers
 from .middleware import ApiKeyMiddleware, ArrivalMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from .pricer import start_pricer
 from .routes import add_routes
 from .state import Service
 
@@ -28,10 +29,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await svc.start()  # a model that fails to load or its self-check sets svc.failed: never ready
+        if svc.ready and settings.pricer:  # forked now: warmed up, the worker idle, no connection open yet
+            svc.pricer = start_pricer(svc.models, settings)
         try:
             yield
         finally:
             await svc.stop()
+            if svc.pricer is not None:
+                svc.pricer.close()
 
     app = FastAPI(title="smallstate-lm", version="0.1.0", lifespan=lifespan,
                   description="N-best and lattice rescoring with a small-state neural LM and a KenLM n-gram. "

@@ -28,16 +28,19 @@ async def off_loop(inline: bool, fn: Callable, *args) -> Any:
     return fn(*args) if inline else await run_in_threadpool(fn, *args)
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> tuple[BaseModel | decode.Request, int]:
-    """The request's body as `model`, or as its `decode` twin when valid (parsed in a thread unless small),
-    and its size in bytes.
+async def read_raw(request: Request) -> bytes:
+    """The request's body, unparsed.
     Only JSON is read: a browser sends text/plain and form bodies to any origin without asking
     first, so accepting them would let any web page make a local service do work."""
     content_type = request.headers.get("content-type", "")
     if not _is_json(content_type):
         raise HTTPException(415, f"Content-Type {content_type or '(none)'!r}: expected application/json")
-    raw = await request.body()
-    return await off_loop(len(raw) <= INLINE_BYTES, _decode, model, raw), len(raw)
+    return await request.body()
+
+
+async def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel | decode.Request:
+    """The body as `model`, or as its `decode` twin when valid (parsed in a thread unless small)."""
+    return await off_loop(len(raw) <= INLINE_BYTES, _decode, model, raw)
 
 
 def _decode(model: type[BaseModel], raw: bytes) -> BaseModel | decode.Request:

@@ -9,8 +9,9 @@ from fastapi.responses import JSONResponse, Response
 
 from ..inputs import rescore_work, score_work
 from ..schemas import ErrorResponse, ModelsResponse, RescoreRequest, RescoreResponse, ScoreRequest, ScoreResponse
-from .bodies import off_loop, read_body
+from .bodies import off_loop, parse_body, read_raw
 from .errors import ERRORS
+from .pricer import refuse_if_priced_out
 from .responses import answer, rescore_response, score_response
 from .state import Service
 
@@ -29,7 +30,7 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         """Rescore n-best lists and/or lattices; per utterance the hypotheses ranked by total (natural log).
         Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
         timeout = svc.timeout(request)
-        body, size = await read_body(request, RescoreRequest)
+        body, size = await _read(svc, request, "rescore", RescoreRequest, timeout)
         lattice = any(u.lattice is not None for u in body.utterances)
         words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
         inline = not lattice and words <= INLINE_WORDS
@@ -46,7 +47,7 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         """Natural-log probability, token count and perplexity of sentences under each loaded LM.
         Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
         timeout = svc.timeout(request)
-        body, size = await read_body(request, ScoreRequest)
+        body, size = await _read(svc, request, "score", ScoreRequest, timeout)
         inline = sum(_words(None, t) for t in body.sentences) <= INLINE_WORDS
         work = await off_loop(inline, score_work, body, svc.models, svc.settings)
         result = await svc.submit(work, request, timeout)
@@ -85,6 +86,14 @@ def _add_status_routes(app: FastAPI, svc: Service) -> None:
         info = svc.models.info
         return ModelsResponse.model_validate({**info, "cost_model": {**info.get("cost_model", {}),
                                                                      "lattice_ratio": svc.worker.lattice_ratio}})
+
+
+async def _read(svc: Service, request: Request, kind: str, model: type, timeout: float) -> tuple:
+    """The request's body parsed, and its size in bytes; a large one priced first, and refused there without
+    being parsed here."""
+    raw = await read_raw(request)
+    await refuse_if_priced_out(svc, kind, raw, request, timeout)
+    return await parse_body(raw, model), len(raw)
 
 
 def _words(words: list | None, text: str | None) -> int:

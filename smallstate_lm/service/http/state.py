@@ -64,6 +64,7 @@ class Service:
         self.stop_at = math.inf  # once shutting down: when every request gets its answer (perf_counter seconds)
         self.stopping = asyncio.Event()
         self.rss_base = 0  # the process's size after warm-up
+        self.pricer = None  # the pricing process (http/pricer.py), once warmed up, where there is one
         self._releasing = False
 
     async def start(self) -> None:
@@ -211,9 +212,14 @@ class Service:
         check_lists(work.seconds - work.lattice_seconds, remaining, timeout,
                     "sentences" if work.kind == "score" else "utterances")
         if job.long:
-            backlog = self.long_backlog()
-            if backlog is not None and (backlog + job.seconds) * LONG_WAIT > remaining:
-                raise overloaded(backlog, remaining, f"this request about {job.seconds:.1f} s")
+            self.check_backlog(job.seconds, remaining)
+
+    def check_backlog(self, own: float, remaining: float) -> None:
+        """503 for a long request expected to take `own` worker seconds when the long work queued ahead and its own,
+        x LONG_WAIT, would take it past what is left of its deadline (`remaining`), while the worker is busy."""
+        backlog = self.long_backlog()
+        if backlog is not None and (backlog + own) * LONG_WAIT > remaining:
+            raise overloaded(backlog, remaining, f"this request about {own:.1f} s")
 
     def long_backlog(self) -> float | None:
         """The long requests' backlog in worker seconds while the worker is busy (what a long request queues

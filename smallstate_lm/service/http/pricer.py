@@ -1,0 +1,181 @@
+"""Large request bodies priced in a second process (`Pricer`): a copy of the service forked once it is warmed
+up, which decodes a body and prepares its work exactly as the routes do (`rescore_work` / `score_work`, with
+the same early checks) and answers only whether the request is refused, and why, or what it is predicted to
+take.
+
+Under load the server's one interpreter is shared by the event loop, the worker's bookkeeping and every body
+being prepared: a 2 MB request that is refused anyway took ~50 ms of it to prepare on an idle machine, and
+several at once held back each other, the small requests and the worker (two thirds of the interpreter's time
+in the abuse benchmark's mix went to preparing requests that were then refused). Priced here, such a request
+costs the server the round trip of its bytes. A request that is let in is then prepared by the server as before:
+its preparation is paid twice, in two processes, for work that takes the worker seconds anyway.
+
+The copy is made with fork() at the end of the warm-up, when the worker is idle: the models, the calibrated cost
+model and the settings are there without being loaded or sent again. It never runs the model: it prices with
+arithmetic, the vocabulary and the n-gram's word list, on one thread (the parent's OpenMP threads are not in
+the copy, so no parallel region may start there; a CUDA context is never touched). Linux only; anywhere else,
+or when the copy fails or dies, requests are priced in the server as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+
+from ..decode import decode
+from ..errors import ServiceError
+from ..inputs import rescore_work, score_work
+from ..model import Models
+from ..settings import Settings
+from .state import T0, EarlyChecks, Service
+
+log = logging.getLogger("smallstate_lm.service")
+
+PRICE_BYTES = 64 * 1024  # bodies at least this large are priced in the copy: smaller ones cost less than its round trip
+WAIT_S = 0.05  # how long a body waits for the copy while it prices another
+ANSWER_S = 10.0  # a copy that has not answered by then is taken to be stuck: stopped, and not asked again
+
+Priced = tuple[float, float]  # a request let in: its predicted seconds, and of them its lattices' upper bound
+
+
+class Pricer:
+    """The forked copy and its pipe. `price` is called on a thread-pool thread (it waits on the pipe); one request
+    is priced at a time; a body that finds it busy for longer than WAIT_S is left to the server."""
+
+    def __init__(self, models: Models, settings: Settings):
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, self._conn, models, settings), daemon=True,
+                                 name="smallstate-pricer")
+        self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        self.alive = True
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def price(self, kind: str, raw: bytes, deadline: float, timeout: float, slice_s: float,
+              backlog: float | None) -> ServiceError | Priced | None:
+        """The refusal the server's own preparation of `raw` (a `kind` request: "rescore" or "score") would end
+        in, with its deadline at `deadline` (time.perf_counter) and the long work queued ahead `backlog`
+        (`Service.long_backlog`); else its prediction (`Priced`); None when it could not be priced (a body the
+        server must word the error of, or no working copy)."""
+        # another body being priced: wait about as long as pricing one takes, then let the server price this one
+        if not self._lock.acquire(timeout=WAIT_S):
+            return None
+        try:
+            if not self.alive:
+                return None
+            try:
+                self._conn.send((kind, deadline - time.perf_counter(), timeout, slice_s, backlog))
+                self._conn.send_bytes(raw)
+                if not self._conn.poll(ANSWER_S):
+                    raise TimeoutError(f"no answer in {ANSWER_S:g} s")
+                return self._conn.recv()
+            except (OSError, EOFError, TimeoutError) as e:
+                self.alive = False
+                log.warning("the pricing process failed (%s: %s); requests are priced in the server from now on",
+                            type(e).__name__, e)
+                self._stop()
+                return None
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self.alive = False
+            self._stop()
+
+    def _stop(self) -> None:
+        self._conn.close()
+        self._proc.join(1.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(1.0)
+
+
+async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Request, timeout: float) -> None:
+    """Raise the refusal the pricing process found for the large body `raw` of a `kind` request ("rescore" or
+    "score"), or the 503 that the long work queued ahead gives its prediction (`Service.check_backlog`), before the
+    server prepares any of it. Nothing for small bodies, without a pricer, or for a body it could not price."""
+    pricer = svc.pricer
+    if pricer is None or not pricer.alive or len(raw) < PRICE_BYTES:
+        return
+    deadline = request.scope.get(T0, time.perf_counter()) + timeout
+    answer = await run_in_threadpool(pricer.price, kind, raw, deadline, timeout, svc.batcher.slice_s,
+                                     svc.long_backlog())
+    if answer is None:
+        svc.metrics.priced.labels("unpriced").inc()
+        return
+    if isinstance(answer, ServiceError):
+        svc.metrics.priced.labels("refused").inc()
+        raise answer
+    seconds, lattice_seconds = answer
+    if seconds > svc.batcher.slice_s:  # a long request: as `Service._admit` will see it
+        try:
+            svc.check_backlog(seconds - lattice_seconds + svc.worker.lattice_ratio * lattice_seconds,
+                              deadline - time.perf_counter())
+        except ServiceError:
+            svc.metrics.priced.labels("refused").inc()
+            raise
+    svc.metrics.priced.labels("let_in").inc()
+
+
+def start_pricer(models: Models, settings: Settings) -> Pricer | None:
+    """A pricer for the warmed-up `models`, or None where there is none (not Linux, or fork failed)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return Pricer(models, settings)
+    except OSError as e:
+        log.warning("no pricing process (%s); requests are priced in the server", e)
+        return None
+
+
+def _serve(conn, parent_end, models: Models, settings: Settings) -> None:
+    """The copy's loop: a request's head and body in, its price out, until the server closes the pipe."""
+    parent_end.close()  # or the copy would hold its own pipe open and never see the server go
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C or a SIGTERM is the server's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        try:
+            kind, remaining, timeout, slice_s, backlog = conn.recv()
+            raw = conn.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(0)
+        early = EarlyChecks(time.perf_counter() + remaining, timeout, "utterances", slice_s, backlog)
+        answer = _price(kind, raw, models, settings, early)
+        try:
+            conn.send(answer)
+        except (EOFError, OSError):
+            os._exit(0)
+        except Exception:  # an answer that does not pickle: unpriced
+            conn.send(None)
+
+
+def _price(kind: str, raw: bytes, models: Models, settings: Settings, early: EarlyChecks) -> Any:
+    body = decode("RescoreRequest" if kind == "rescore" else "ScoreRequest", raw)
+    if body is None:
+        return None  # not certainly valid: the server words the error
+    try:
+        work = rescore_work(body, models, settings, early) if kind == "rescore" else score_work(body, models, settings)
+    except ServiceError as e:
+        return e
+    except Exception:  # whatever else goes wrong is the server's own preparation's to report
+        return None
+    return (work.seconds, work.lattice_seconds)
+
