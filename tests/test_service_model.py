@@ -213,7 +213,7 @@ def test_a_busy_service_refuses_a_growing_request_before_the_rest_of_it_is_read(
     body = RescoreRequest.model_validate({"utterances": lattices})
     parsed = []
     parse = inputs.parse_lattice
-    monkeypatch.setattr(inputs, "parse_lattice", lambda *a: parsed.append(a[1]) or parse(*a))
+    monkeypatch.setattr(inputs, "parse_lattice", lambda *a, **k: parsed.append(a[1]) or parse(*a, **k))
     one = _Told()
     # not busy: every lattice is read, the bad one named
     with pytest.raises(inputs.ServiceError, match=r"^utterances\[3\]\.lattice"):
@@ -242,10 +242,35 @@ def test_lattices_stop_being_parsed_once_their_predicted_seconds_pass_the_limit(
         {"id": f"u{i}", "lattice": {"format": "openfst-text", "data": text}} for i in range(6)]})
     parsed = []
     parse = inputs.parse_lattice
-    monkeypatch.setattr(inputs, "parse_lattice", lambda *a: parsed.append(a[1]) or parse(*a))
+    monkeypatch.setattr(inputs, "parse_lattice", lambda *a, **k: parsed.append(a[1]) or parse(*a, **k))
     limit = dataclasses.replace(models.s, max_request_seconds=2.5 * one)
     with pytest.raises(CostLimitError) as e:
         inputs.rescore_work(body, models, limit)
     assert e.value.field == "utterances[2].lattice" and "max_request_seconds" in str(e.value)
     assert parsed == [f"utterances[{i}].lattice" for i in range(3)], "the last three were never parsed"
     inputs.rescore_work(body, models, dataclasses.replace(models.s, max_request_seconds=6.5 * one))
+
+
+def test_work_priced_only_predicts_what_the_work_predicts(models):
+    """The pricing process prepares work without the lattices' weights (`priced_only`): its prediction, steps and
+    arcs are those of the work the server prepares, lattice for lattice."""
+    from smallstate_lm.service.inputs import rescore_work
+    from smallstate_lm.service.schemas import RescoreRequest
+
+    utterances = []
+    for k, lat in enumerate(_lattices()):
+        rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
+        text = "\n".join("\t".join(r[:2] + [lat.symbols.word(int(r[2]))] * 2 + r[4:]) if len(r) == 5 else
+                         "\t".join(r) for r in rows) + "\n"
+        utterances.append({"id": f"l{k}", "lattice": {"format": "openfst-text", "data": text}})
+        utterances.append({"id": f"n{k}", "hypotheses": [{"text": " ".join(lat.symbols.word(int(r[2]))
+                                                                            for r in rows[j : j + 6] if len(r) == 5),
+                                                          "am_score": -1.0} for j in range(0, 60, 3)]})
+    body = RescoreRequest.model_validate({"utterances": utterances})
+    full, priced = rescore_work(body, models, models.s), rescore_work(body, models, models.s, priced_only=True)
+    assert priced.seconds == full.seconds and priced.lattice_seconds == full.lattice_seconds > 0
+    assert priced.cost == full.cost and priced.tokens_total == full.tokens_total
+    for a, b in zip(priced.items, full.items, strict=True):
+        if hasattr(a, "lattice"):
+            assert a.shape.total_steps == b.shape.total_steps and a.lattice.num_arcs == b.lattice.num_arcs
+            assert not a.lattice.graph.any() and b.lattice.graph.any()  # the weights were not read

@@ -88,13 +88,16 @@ _DECODERS = {name: msgspec.json.Decoder(t) for name, t in (("RescoreRequest", Re
                                                            ("ScoreRequest", ScoreRequest))}
 
 
-def decode(kind: str, raw: bytes) -> Request | None:
+def decode(kind: str, raw: bytes, words: bool = True) -> Request | None:
     """`raw` as the request of `kind` ("RescoreRequest" or "ScoreRequest", the schema's name) when it is
-    certainly valid; None when pydantic must decide (and word the error)."""
+    certainly valid; None when pydantic must decide (and word the error). `words=False` leaves the words'
+    own checks (non-empty, no whitespace, at most MAX_WORD_CHARS) out: the structure and types are checked."""
     try:
         body = _DECODERS[kind].decode(raw)
     except (msgspec.DecodeError, RecursionError):
         return None
+    if not words:
+        return body
     ok = _rescore_ok(body) if isinstance(body, RescoreRequest) else all(_text_ok(s) for s in body.sentences)
     return body if ok else None
 

@@ -42,8 +42,10 @@ class Early(Protocol):
     def so_far(self, seconds: float) -> None: ...
 
 
-def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early | None = None) -> Work:
-    """The request's work; `early`, when given, is told what is known of its cost before the bulk of it."""
+def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early | None = None,
+                 priced_only: bool = False) -> Work:
+    """The request's work; `early`, when given, is told what is known of its cost before the bulk of it.
+    `priced_only`: work to be priced, never run (its lattices' weights are not read)."""
     if len(body.utterances) > s.max_utterances:
         raise LimitError(f"{len(body.utterances)} utterances, more than the limit of {s.max_utterances} "
                          f"(max_utterances)", "utterances", s.max_utterances)
@@ -63,7 +65,7 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
             if u.context is not None:
                 raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
                                    f"{where}.context")
-            lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs)
+            lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs, costs=not priced_only)
             shape = lattice_shape(lat, s.max_per_state)
             steps += shape.total_steps
             if steps > s.max_lattice_cost:
@@ -188,11 +190,12 @@ def _as_int(s: str) -> int | None:
         return None
 
 
-def _check_fst_text(text: str, where: str, max_arcs: int) -> tuple[list[str], FstTextColumns | None]:
+def _check_fst_text(text: str, where: str, max_arcs: int,
+                    costs: bool = True) -> tuple[list[str], FstTextColumns | None]:
     """Arc count and largest state id against the limits before the parser allocates
     per-state arrays; returns the output labels of the arcs, and the text's columns when it has
     the plain form that `fst_text_columns` splits (the parser then takes them)."""
-    cols = fst_text_columns(text)
+    cols = fst_text_columns(text, costs)
     if cols is not None:
         if len(cols.labels) > max_arcs:
             raise LimitError(f"the lattice has more than {max_arcs} arcs (max_lattice_arcs)", where, max_arcs)
@@ -245,13 +248,14 @@ def _symbol_table(words: dict[str, int], where: str) -> SymbolTable:
         raise ServiceError(str(e), where) from None
 
 
-def parse_lattice(lat: LatticeIn, where: str, name: str, max_arcs: int) -> Lattice:
-    """A request's lattice text -> a prepared Lattice named `name`; every problem is a ServiceError naming `where`."""
+def parse_lattice(lat: LatticeIn, where: str, name: str, max_arcs: int, costs: bool = True) -> Lattice:
+    """A request's lattice text -> a prepared Lattice named `name`; every problem is a ServiceError naming `where`.
+    `costs=False`: OpenFST text's weights are not read (all 0; see `fst_text_columns`)."""
     data_field = f"{where}.data"
     symbols = _symbol_table(lat.words, f"{where}.words") if lat.words is not None else None
     try:
         if lat.format == "openfst-text":
-            labels, cols = _check_fst_text(lat.data, data_field, max_arcs)
+            labels, cols = _check_fst_text(lat.data, data_field, max_arcs, costs)
             if symbols is None:
                 distinct = list(dict.fromkeys(labels))  # in order: the first numeric label is named
                 numeric = [lb for lb in distinct if _as_int(lb) not in (None, 0)]

@@ -178,20 +178,23 @@ def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tupl
     return tokens, nbytes
 
 
-def _list_estimate(models: Models, seqs: list[list[str]], size: TreeSize | None) -> tuple[int, int, int, int, float]:
+def _list_estimate(models: Models, seqs: list[list[str]], size: TreeSize | None,
+                   nbytes: bool = True) -> tuple[int, int, int, int, float]:
     """(tokens, neural LM tokens computed, depth, peak bytes, predicted seconds) of a list of word sequences as
-    the LMs see them, before any work (no model call)."""
-    tokens = sum(len(s) + 1 for s in seqs)
-    cost, depth, nbytes = tokens, max(len(s) + 1 for s in seqs), 0
+    the LMs see them, before any work (no model call); peak bytes 0 unless `nbytes` (a tree plan's bytes take
+    longer to work out than its seconds)."""
+    lens = list(map(len, seqs))
+    tokens = sum(lens) + len(lens)
+    cost, depth, peak = tokens, max(lens) + 1, 0
     neural = models.neural
     if neural is not None:
         if size is not None:
-            cost, nbytes = size.total_nodes, _tree_bytes(models, size)
+            cost, peak = size.total_nodes, _tree_bytes(models, size) if nbytes else 0
         else:  # scored level by level or padded: the scorer's own estimate
-            cost, nbytes = neural.estimate_cost([seqs])
+            cost, peak = neural.estimate_cost([seqs])
     seconds = models.cost.nbest_seconds(cost, depth, tokens, neural is not None, models.ngram is not None,
                                         models.step_s)
-    return tokens, cost, depth, nbytes, seconds
+    return tokens, cost, depth, peak, seconds
 
 
 def _lists_seconds(models: Models, seconds: list[float]) -> float:
@@ -207,7 +210,8 @@ def lists_seconds(models: Models, lists: list[list[list[str]]]) -> float:
     """What `make_work` will predict for hypothesis lists given as word sequences (as the LMs see them: any
     context words first), without building them: a request's cheapest prediction, for refusing it early."""
     sizes = _trie_sizes(models, lists)
-    return _lists_seconds(models, [_list_estimate(models, seqs, size)[4] for seqs, size in zip(lists, sizes)])
+    return _lists_seconds(models, [_list_estimate(models, seqs, size, nbytes=False)[4]
+                                   for seqs, size in zip(lists, sizes)])
 
 
 def list_floor(models: Models, seqs: list[list[str]]) -> float:
@@ -235,7 +239,7 @@ def _trie_sizes(models: Models, lists: list[list[list[str]]]) -> list[TreeSize |
     words = list(itertools.chain.from_iterable(seqs))
     distinct = list(set(words))
     ids = dict(zip(distinct, neural.vocab.encode(distinct)))
-    flat = np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
+    flat = np.array(list(map(ids.__getitem__, words)), dtype=np.int64)  # a list first: fromiter(map) is slower
     lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
     which = np.repeat(np.arange(len(lists)), list(map(len, lists)))
     return trie_sizes(flat, lens, which, len(lists), end=EOS_ID)

@@ -168,11 +168,13 @@ def _serve(conn, parent_end, models: Models, settings: Settings) -> None:
 
 
 def _price(kind: str, raw: bytes, models: Models, settings: Settings, early: EarlyChecks) -> Any:
-    body = decode("RescoreRequest" if kind == "rescore" else "ScoreRequest", raw)
+    # the words' own checks are the server's, for a body it lets in: one over a limit is refused whatever its words
+    body = decode("RescoreRequest" if kind == "rescore" else "ScoreRequest", raw, words=False)
     if body is None:
-        return None  # not certainly valid: the server words the error
+        return None  # not of the request's structure: the server words the error
     try:
-        work = rescore_work(body, models, settings, early) if kind == "rescore" else score_work(body, models, settings)
+        work = (rescore_work(body, models, settings, early, priced_only=True) if kind == "rescore"
+                else score_work(body, models, settings))
     except ServiceError as e:
         return e
     except Exception:  # whatever else goes wrong is the server's own preparation's to report
