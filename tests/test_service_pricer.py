@@ -60,7 +60,7 @@ def _alive(pid: int) -> bool:
 def servers(tiny_lm_dir, kenlm_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("pricer")
     priced = Server(tiny_lm_dir, kenlm_model, *LIMITS, log=d / "priced.log")
-    plain = Server(tiny_lm_dir, kenlm_model, *LIMITS, "pricer=false", log=d / "plain.log")
+    plain = Server(tiny_lm_dir, kenlm_model, *LIMITS, "pricers=0", log=d / "plain.log")
     yield priced, plain
     for s in (priced, plain):
         assert s.stop() == 0, s.log.read_text()
@@ -87,7 +87,7 @@ def _same_answers(got: dict, want: dict) -> None:
 
 def test_large_bodies_are_answered_as_without_the_pricing_process_and_counted(servers):
     priced, plain = servers
-    assert len(_children(priced.proc.pid)) == 1 and not _children(plain.proc.pid)
+    assert len(_children(priced.proc.pid)) == 2 and not _children(plain.proc.pid)
     before = metrics(priced)
     got, want = _answers(priced), _answers(plain)
     _same_answers(got, want)
@@ -105,13 +105,14 @@ def test_a_dead_pricing_process_leaves_the_server_pricing_in_process(tiny_lm_dir
     _, plain = servers
     s = Server(tiny_lm_dir, kenlm_model, *LIMITS, log=tmp_path / "server.log")
     try:
-        [child] = _children(s.proc.pid)
-        os.kill(child, signal.SIGKILL)
-        wait_until(lambda: not _alive(child), what="the pricing process to die")
+        children = _children(s.proc.pid)
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+        wait_until(lambda: not any(map(_alive, children)), what="the pricing processes to die")
         _same_answers(_answers(s), _answers(plain))
         _same_answers(_answers(s), _answers(plain))
         log = s.log.read_text()
-        assert log.count("the pricing process failed") == 1, log
+        assert log.count("a pricing process failed") == 1, log
         assert _metric(metrics(s), "smallstate_priced_total", outcome="refused") == 0
     finally:
         assert s.stop() == 0, s.log.read_text()
@@ -120,11 +121,43 @@ def test_a_dead_pricing_process_leaves_the_server_pricing_in_process(tiny_lm_dir
 
 def test_the_pricing_process_goes_when_the_server_goes(tiny_lm_dir, kenlm_model, tmp_path):
     s = Server(tiny_lm_dir, kenlm_model, *LIMITS, log=tmp_path / "server.log")
-    [child] = _children(s.proc.pid)
+    children = _children(s.proc.pid)
+    assert len(children) == 2
     assert s.stop() == 0, s.log.read_text()
-    wait_until(lambda: not _alive(child), timeout=10, what="the pricing process to exit with the server")
+    wait_until(lambda: not any(map(_alive, children)), timeout=10, what="the pricing processes to exit with the server")
     s = Server(tiny_lm_dir, kenlm_model, *LIMITS, log=tmp_path / "killed.log")
-    [child] = _children(s.proc.pid)
-    s.proc.kill()  # no shutdown at all: the pipe's end closes with the server
+    children = _children(s.proc.pid)
+    s.proc.kill()  # no shutdown at all: the pipes' ends close with the server
     s.proc.wait()
-    wait_until(lambda: not _alive(child), timeout=10, what="the pricing process to exit after the server was killed")
+    wait_until(lambda: not any(map(_alive, children)), timeout=10, what="the pricing processes to exit after a kill")
+
+
+def test_a_held_worker_waits_between_steps_at_most_hold_s_each_time(monkeypatch):
+    """While large bodies are priced on a CPU server the worker holds between two steps (service/batcher.py):
+    it runs no step while held, goes on when let go, and a hold never lasts past HOLD_S a step."""
+    import threading
+    import time
+
+    from smallstate_lm.service import batcher
+
+    def steps(done: list):
+        for i in range(3):
+            done.append(i)
+            yield
+
+    monkeypatch.setattr(batcher, "HOLD_S", 60.0)
+    run, done = threading.Event(), []
+    worker = threading.Thread(target=batcher._advance, args=(steps(done), 600.0, lambda: False, run))
+    worker.start()
+    wait_until(lambda: done == [0], what="the first step")
+    time.sleep(0.05)
+    assert done == [0], "a step ran while the worker was held"
+    run.set()
+    worker.join(10)
+    assert not worker.is_alive() and done == [0, 1, 2]
+    monkeypatch.setattr(batcher, "HOLD_S", 0.01)
+    done = []
+    held = threading.Thread(target=batcher._advance, args=(steps(done), 600.0, lambda: False, threading.Event()))
+    held.start()
+    held.join(10)
+    assert not held.is_alive() and done == [0, 1, 2], "a hold that is never let go still ends"

@@ -82,9 +82,10 @@ class Settings:
     # Worker time one batch or lattice expansion gets before the worker turns to other queued work: a long
     # job holds small ones for at most about this long.
     slice_ms: float = 50.0
-    # Price large request bodies (64 KiB and more) in a forked copy of the warmed-up service (Linux), so that one
-    # refused anyway does not hold the server's interpreter (docs/service.md, "The pricing process").
-    pricer: bool = True
+    # Price large request bodies (64 KiB and more) in this many forked copies of the warmed-up service (Linux; 0:
+    # in the server), so that one refused anyway does not hold the server's interpreter (docs/service.md, "The
+    # pricing process").
+    pricers: int = 2
     # ---- shutdown -------------------------------------------------------------------------
     drain_seconds: float = 1.0  # after SIGTERM: /readyz answers 503 this long before the listener closes
     graceful_timeout_s: float = 30.0  # then in-flight requests get this long to finish
@@ -98,7 +99,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "drain_seconds", "graceful_timeout_s"):
+        for name in ("max_wait_ms", "drain_seconds", "graceful_timeout_s", "pricers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name} must be >= 0, got {getattr(self, name)}")
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms", "max_request_seconds"):

@@ -29,7 +29,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await svc.start()  # a model that fails to load or its self-check sets svc.failed: never ready
-        if svc.ready and settings.pricer:  # forked now: warmed up, the worker idle, no connection open yet
+        if svc.ready:  # forked now: warmed up, the worker idle, no connection open yet
             svc.pricer = start_pricer(svc.models, settings)
         try:
             yield

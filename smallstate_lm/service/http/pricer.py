@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -47,62 +47,81 @@ ANSWER_S = 10.0  # a copy that has not answered by then is taken to be stuck: st
 Priced = tuple[float, float]  # a request let in: its predicted seconds, and of them its lattices' upper bound
 
 
-class Pricer:
-    """The forked copy and its pipe. `price` is called on a thread-pool thread (it waits on the pipe); one request
-    is priced at a time; a body that finds it busy for longer than WAIT_S is left to the server."""
+class _Copy:
+    """One forked copy and the server's end of its pipe."""
 
-    def __init__(self, models: Models, settings: Settings):
-        ctx = multiprocessing.get_context("fork")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self._conn, models, settings), daemon=True,
-                                 name="smallstate-pricer")
-        self._proc.start()
+    def __init__(self, ctx, models: Models, settings: Settings):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, self.conn, models, settings), daemon=True,
+                                name="smallstate-pricer")
+        self.proc.start()
         child.close()
-        self._lock = threading.Lock()
-        self.alive = True
+
+    def ask(self, head: tuple, raw: bytes) -> Any:
+        self.conn.send(head)
+        self.conn.send_bytes(raw)
+        if not self.conn.poll(ANSWER_S):
+            raise TimeoutError(f"no answer in {ANSWER_S:g} s")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.close()
+        self.proc.join(1.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(1.0)
+
+
+class Pricer:
+    """`n` forked copies. `price` is called on a thread-pool thread (it waits on a pipe); each copy prices one body
+    at a time, and a body that finds them all busy for longer than WAIT_S is left to the server."""
+
+    def __init__(self, models: Models, settings: Settings, n: int):
+        ctx = multiprocessing.get_context("fork")
+        self.copies = [_Copy(ctx, models, settings) for _ in range(n)]
+        self._free: queue.Queue[_Copy] = queue.Queue()
+        for c in self.copies:
+            self._free.put(c)
+        self._failed = False
 
     @property
-    def pid(self) -> int | None:
-        return self._proc.pid
+    def alive(self) -> bool:
+        return not self._failed
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.copies]
 
     def price(self, kind: str, raw: bytes, deadline: float, timeout: float, slice_s: float,
               backlog: float | None) -> ServiceError | Priced | None:
         """The refusal the server's own preparation of `raw` (a `kind` request: "rescore" or "score") would end
         in, with its deadline at `deadline` (time.perf_counter) and the long work queued ahead `backlog`
-        (`Service.long_backlog`); else its prediction (`Priced`); None when it could not be priced (a body the
-        server must word the error of, or no working copy)."""
-        # another body being priced: wait about as long as pricing one takes, then let the server price this one
-        if not self._lock.acquire(timeout=WAIT_S):
+        (`Service.long_backlog`); else its prediction (`Priced`); None when it could not be priced (a body not
+        of the request's structure, every copy busy, or none working)."""
+        try:
+            # the others busy: wait about as long as pricing one takes, then let the server price this one
+            copy = self._free.get(timeout=WAIT_S)
+        except queue.Empty:
+            return None
+        if self._failed:
+            self._free.put(copy)
             return None
         try:
-            if not self.alive:
-                return None
-            try:
-                self._conn.send((kind, deadline - time.perf_counter(), timeout, slice_s, backlog))
-                self._conn.send_bytes(raw)
-                if not self._conn.poll(ANSWER_S):
-                    raise TimeoutError(f"no answer in {ANSWER_S:g} s")
-                return self._conn.recv()
-            except (OSError, EOFError, TimeoutError) as e:
-                self.alive = False
-                log.warning("the pricing process failed (%s: %s); requests are priced in the server from now on",
-                            type(e).__name__, e)
-                self._stop()
-                return None
-        finally:
-            self._lock.release()
+            answer = copy.ask((kind, deadline - time.perf_counter(), timeout, slice_s, backlog), raw)
+        except (OSError, EOFError, TimeoutError) as e:
+            # one copy failing says the others may: the server prices every request itself from now on
+            self._failed = True
+            log.warning("a pricing process failed (%s: %s); requests are priced in the server from now on",
+                        type(e).__name__, e)
+            copy.stop()
+            return None
+        self._free.put(copy)
+        return answer
 
     def close(self) -> None:
-        with self._lock:
-            self.alive = False
-            self._stop()
-
-    def _stop(self) -> None:
-        self._conn.close()
-        self._proc.join(1.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(1.0)
+        self._failed = True
+        for c in self.copies:
+            c.stop()
 
 
 async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Request, timeout: float) -> None:
@@ -113,8 +132,10 @@ async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Req
     if pricer is None or not pricer.alive or len(raw) < PRICE_BYTES:
         return
     deadline = request.scope.get(T0, time.perf_counter()) + timeout
-    answer = await run_in_threadpool(pricer.price, kind, raw, deadline, timeout, svc.batcher.slice_s,
-                                     svc.long_backlog())
+    # on a CPU the model's steps and the pricing share the cores: the worker waits between two steps meanwhile
+    with svc.batcher.held(svc.models.device.type == "cpu"):
+        answer = await run_in_threadpool(pricer.price, kind, raw, deadline, timeout, svc.batcher.slice_s,
+                                         svc.long_backlog())
     if answer is None:
         svc.metrics.priced.labels("unpriced").inc()
         return
@@ -134,10 +155,10 @@ async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Req
 
 def start_pricer(models: Models, settings: Settings) -> Pricer | None:
     """A pricer for the warmed-up `models`, or None where there is none (not Linux, or fork failed)."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or settings.pricers < 1:
         return None
     try:
-        return Pricer(models, settings)
+        return Pricer(models, settings, settings.pricers)
     except OSError as e:
         log.warning("no pricing process (%s); requests are priced in the server", e)
         return None
