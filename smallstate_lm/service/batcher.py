@@ -155,22 +155,25 @@ class Batcher:
         self.run = threading.Event()  # cleared: the worker holds between steps (see `_advance`)
         self.run.set()
         self._holds = 0
+        self._hold_lock = threading.Lock()
 
     @contextlib.contextmanager
     def held(self, hold: bool = True):
         """While inside (and `hold`), the worker waits between two steps, at most HOLD_S each time: for work of the
-        server's that must not share the cores with the model's (on the event loop only)."""
+        server's that must not share the cores with the model's (any thread)."""
         if not hold:
             yield
             return
-        self._holds += 1
-        self.run.clear()
+        with self._hold_lock:
+            self._holds += 1
+            self.run.clear()
         try:
             yield
         finally:
-            self._holds -= 1
-            if not self._holds:
-                self.run.set()
+            with self._hold_lock:
+                self._holds -= 1
+                if not self._holds:
+                    self.run.set()
 
     @property
     def depth(self) -> int:

@@ -91,37 +91,38 @@ _DECODERS = {name: msgspec.json.Decoder(t) for name, t in (("RescoreRequest", Re
 def decode(kind: str, raw: bytes, words: bool = True) -> Request | None:
     """`raw` as the request of `kind` ("RescoreRequest" or "ScoreRequest", the schema's name) when it is
     certainly valid; None when pydantic must decide (and word the error). `words=False` leaves the words'
-    own checks (non-empty, no whitespace, at most MAX_WORD_CHARS) out: the structure and types are checked."""
+    own checks (non-empty, no whitespace, at most MAX_WORD_CHARS) out: the structure and types are checked
+    (each utterance a list or a lattice, each hypothesis words or text)."""
     try:
         body = _DECODERS[kind].decode(raw)
     except (msgspec.DecodeError, RecursionError):
         return None
-    if not words:
-        return body
-    ok = _rescore_ok(body) if isinstance(body, RescoreRequest) else all(_text_ok(s) for s in body.sentences)
-    return body if ok else None
+    if isinstance(body, RescoreRequest):
+        return body if _rescore_ok(body, words) else None
+    return body if not words or all(_text_ok(s) for s in body.sentences) else None
 
 
-def _rescore_ok(body: RescoreRequest) -> bool:
+def _rescore_ok(body: RescoreRequest, words: bool = True) -> bool:
+    """Each utterance a list or a lattice, each hypothesis words or text; and, with `words`, the words' own checks."""
     lists = []  # every `words` of the request, checked together
     for u in body.utterances:
         if (u.hypotheses is None) == (u.lattice is None):
             return False
-        if u.context is not None and not _text_ok(u.context):
+        if words and u.context is not None and not _text_ok(u.context):
             return False
         if u.lattice is not None:
-            if u.lattice.words is not None:
+            if words and u.lattice.words is not None:
                 lists.append(list(u.lattice.words))
             continue
         for h in u.hypotheses:
             if h.words is None:
-                if h.text is None or not _text_ok(h.text):
+                if h.text is None or (words and not _text_ok(h.text)):
                     return False
             elif h.text is not None:
                 return False
-            else:
+            elif words:
                 lists.append(h.words)
-    return _words_ok(list(itertools.chain.from_iterable(lists)))
+    return not words or _words_ok(list(itertools.chain.from_iterable(lists)))
 
 
 def _words_ok(words: list[str]) -> bool:

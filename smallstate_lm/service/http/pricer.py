@@ -19,14 +19,17 @@ or when the copy fails or dies, requests are priced in the server as before.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import multiprocessing
 import os
 import queue
 import signal
 import sys
+import threading
 import time
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
@@ -48,24 +51,35 @@ Priced = tuple[float, float]  # a request let in: its predicted seconds, and of 
 
 
 class _Copy:
-    """One forked copy and the server's end of its pipe."""
+    """One forked copy and the server's end of its pipe. `others`: the server's ends of the copies forked before
+    it, which it closes (or a copy would keep another's pipe open, which then never sees the server go)."""
 
-    def __init__(self, ctx, models: Models, settings: Settings):
+    def __init__(self, ctx, models: Models, settings: Settings, others: list):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, self.conn, models, settings), daemon=True,
+        self.proc = ctx.Process(target=_serve, args=(child, [*others, self.conn], models, settings), daemon=True,
                                 name="smallstate-pricer")
         self.proc.start()
         child.close()
 
     def ask(self, head: tuple, raw: bytes) -> Any:
-        self.conn.send(head)
-        self.conn.send_bytes(raw)
-        if not self.conn.poll(ANSWER_S):
-            raise TimeoutError(f"no answer in {ANSWER_S:g} s")
-        return self.conn.recv()
+        """The copy's answer; a copy that takes longer than ANSWER_S, reading the body or pricing it, is killed
+        (the pipe then fails on both ends: no thread waits on it for good)."""
+        watchdog = threading.Timer(ANSWER_S, self.proc.kill)
+        watchdog.start()
+        try:
+            self.conn.send(head)
+            self.conn.send_bytes(raw)
+            if not self.conn.poll(ANSWER_S):
+                raise TimeoutError(f"no answer in {ANSWER_S:g} s")
+            return self.conn.recv()
+        finally:
+            watchdog.cancel()
+
+    def close(self) -> None:
+        self.conn.close()
 
     def stop(self) -> None:
-        self.conn.close()
+        self.close()
         self.proc.join(1.0)
         if self.proc.is_alive():
             self.proc.kill()
@@ -73,53 +87,54 @@ class _Copy:
 
 
 class Pricer:
-    """`n` forked copies. `price` is called on a thread-pool thread (it waits on a pipe); each copy prices one body
-    at a time, and a body that finds them all busy for longer than WAIT_S is left to the server."""
+    """`n` forked copies, each pricing one body at a time (`price`). A copy that fails is stopped and not used
+    again."""
 
     def __init__(self, models: Models, settings: Settings, n: int):
         ctx = multiprocessing.get_context("fork")
-        self.copies = [_Copy(ctx, models, settings) for _ in range(n)]
+        self.copies: list[_Copy] = []
+        try:
+            for _ in range(n):
+                self.copies.append(_Copy(ctx, models, settings, [c.conn for c in self.copies]))
+        except OSError:
+            self.close()
+            raise
         self._free: queue.Queue[_Copy] = queue.Queue()
         for c in self.copies:
             self._free.put(c)
-        self._failed = False
+        self._live = n
 
     @property
     def alive(self) -> bool:
-        return not self._failed
+        return self._live > 0
 
-    @property
-    def pids(self) -> list[int]:
-        return [c.proc.pid for c in self.copies]
-
-    def price(self, kind: str, raw: bytes, deadline: float, timeout: float, slice_s: float,
-              backlog: float | None) -> ServiceError | Priced | None:
+    def price(self, kind: str, raw: bytes, deadline: float, timeout: float, slice_s: float, backlog: float | None,
+              held: Callable[[], ContextManager] = contextlib.nullcontext) -> ServiceError | Priced | None:
         """The refusal the server's own preparation of `raw` (a `kind` request: "rescore" or "score") would end
         in, with its deadline at `deadline` (time.perf_counter) and the long work queued ahead `backlog`
         (`Service.long_backlog`); else its prediction (`Priced`); None when it could not be priced (a body not
-        of the request's structure, every copy busy, or none working)."""
+        of the request's structure, every copy busy for WAIT_S, or the copy failed). `held()` is entered while a
+        copy prices it. Runs on a thread-pool thread to its end (a cancelled request's copy still comes back)."""
         try:
-            # the others busy: wait about as long as pricing one takes, then let the server price this one
-            copy = self._free.get(timeout=WAIT_S)
+            copy = self._free.get(timeout=WAIT_S)  # about what pricing one body takes
         except queue.Empty:
             return None
-        if self._failed:
-            self._free.put(copy)
-            return None
         try:
-            answer = copy.ask((kind, deadline - time.perf_counter(), timeout, slice_s, backlog), raw)
-        except (OSError, EOFError, TimeoutError) as e:
-            # one copy failing says the others may: the server prices every request itself from now on
-            self._failed = True
-            log.warning("a pricing process failed (%s: %s); requests are priced in the server from now on",
-                        type(e).__name__, e)
+            with held():
+                answer = copy.ask((kind, deadline - time.perf_counter(), timeout, slice_s, backlog), raw)
+        except Exception as e:  # a dead or stuck copy, a broken pipe, an answer that does not unpickle
+            self._live -= 1
+            left = f"{self._live} left" if self._live else "requests are priced in the server from now on"
+            log.warning("a pricing process failed (%s: %s); %s", type(e).__name__, e, left)
             copy.stop()
             return None
         self._free.put(copy)
         return answer
 
     def close(self) -> None:
-        self._failed = True
+        self._live = 0
+        for c in self.copies:  # every end first: a copy exits once its own is closed
+            c.close()
         for c in self.copies:
             c.stop()
 
@@ -133,9 +148,9 @@ async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Req
         return
     deadline = request.scope.get(T0, time.perf_counter()) + timeout
     # on a CPU the model's steps and the pricing share the cores: the worker waits between two steps meanwhile
-    with svc.batcher.held(svc.models.device.type == "cpu"):
-        answer = await run_in_threadpool(pricer.price, kind, raw, deadline, timeout, svc.batcher.slice_s,
-                                         svc.long_backlog())
+    held = functools.partial(svc.batcher.held, svc.models.device.type == "cpu")
+    answer = await run_in_threadpool(pricer.price, kind, raw, deadline, timeout, svc.batcher.slice_s,
+                                     svc.long_backlog(), held)
     if answer is None:
         svc.metrics.priced.labels("unpriced").inc()
         return
@@ -164,14 +179,16 @@ def start_pricer(models: Models, settings: Settings) -> Pricer | None:
         return None
 
 
-def _serve(conn, parent_end, models: Models, settings: Settings) -> None:
+def _serve(conn, server_ends: list, models: Models, settings: Settings) -> None:
     """The copy's loop: a request's head and body in, its price out, until the server closes the pipe."""
-    parent_end.close()  # or the copy would hold its own pipe open and never see the server go
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C or a SIGTERM is the server's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # first: the server's OpenMP threads are not in the copy
+    for end in server_ends:  # or this copy would hold its own pipe (or another's) open and never see the server go
+        end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C or a SIGTERM is the server's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)  # the server's event loop's: not this process's to write to
     while True:
         try:
             kind, remaining, timeout, slice_s, backlog = conn.recv()
