@@ -202,8 +202,13 @@ def _lists_seconds(models: Models, seconds: list[float]) -> float:
     calls with the request's other lists (and the batch's)."""
     if models.neural is None or not seconds:
         return sum(seconds)
-    call_s = models.cost.call_s
-    return sum(x - (call_s if x <= models.step_s else 0.0) for x in seconds) + call_s
+    return sum(_share(models, x) for x in seconds) + models.cost.call_s
+
+
+def _share(models: Models, seconds: float) -> float:
+    """A list's predicted `seconds` as part of a request (neural LM): a list scored whole shares its call with the
+    request's other lists (monotone in `seconds`)."""
+    return seconds - (models.cost.call_s if seconds <= models.step_s else 0.0)
 
 
 def lists_seconds(models: Models, lists: list[list[list[str]]]) -> float:
@@ -225,8 +230,7 @@ def list_floor(models: Models, seqs: list[list[str]]) -> float:
     neural = models.neural is not None
     # a trie holds the longest sequence's path at least; a scorer without prefix sharing computes more nodes
     seconds = models.cost.nbest_seconds(depth - 1, depth, tokens, neural, models.ngram is not None, models.step_s)
-    # as `_lists_seconds` counts a list scored whole (monotone in `seconds`: a floor stays a floor)
-    return seconds - (models.cost.call_s if neural and seconds <= models.step_s else 0.0)
+    return _share(models, seconds) if neural else seconds  # monotone: a floor stays a floor
 
 
 def _trie_sizes(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:

@@ -43,10 +43,11 @@ class Worker:
         # beam pruning keeps real lattices far below it); learned as lattices finish
         self.lattice_ratio = 0.1
 
-    def expected_seconds(self, work: Work) -> float:
-        """What the worker is expected to spend on `work`: hypothesis lists as predicted, lattices at the
-        share of their upper bound that this server's lattices have taken so far."""
-        return work.seconds - work.lattice_seconds + self.lattice_ratio * work.lattice_seconds
+    def expected_seconds(self, seconds: float, lattice_seconds: float) -> float:
+        """What the worker is expected to spend on work predicted to take `seconds`, `lattice_seconds` of them its
+        lattices' upper bound: hypothesis lists as predicted, lattices at the share of their upper bound that this
+        server's lattices have taken so far."""
+        return seconds - lattice_seconds + self.lattice_ratio * lattice_seconds
 
     def run_batch(self, jobs: list[Job], deliver: Deliver) -> Iterator[None]:
         """Score every job (payload: Work) of a batch together, a step of about `step_s` predicted

@@ -157,14 +157,11 @@ async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Req
     if isinstance(answer, ServiceError):
         svc.metrics.priced.labels("refused").inc()
         raise answer
-    seconds, lattice_seconds = answer
-    if seconds > svc.batcher.slice_s:  # a long request: as `Service._admit` will see it
-        try:
-            svc.check_backlog(seconds - lattice_seconds + svc.worker.lattice_ratio * lattice_seconds,
-                              deadline - time.perf_counter())
-        except ServiceError:
-            svc.metrics.priced.labels("refused").inc()
-            raise
+    try:
+        svc.check_backlog(*answer, deadline - time.perf_counter())  # as `Service._admit` will
+    except ServiceError:
+        svc.metrics.priced.labels("refused").inc()
+        raise
     svc.metrics.priced.labels("let_in").inc()
 
 

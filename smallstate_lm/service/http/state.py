@@ -176,9 +176,10 @@ class Service:
             raise self.unavailable()
         deadline = request.scope.get(T0, time.perf_counter()) + timeout
         # its class by what it may take (a lattice's upper bound), its place in the backlog by what it should take
-        job = Job(work.cost, work, deadline=min(deadline, self.stop_at), seconds=self.worker.expected_seconds(work),
+        job = Job(work.cost, work, deadline=min(deadline, self.stop_at),
+                  seconds=self.worker.expected_seconds(work.seconds, work.lattice_seconds),
                   long=work.seconds > self.batcher.slice_s)
-        self._admit(job, work, deadline - time.perf_counter(), timeout)
+        self._admit(work, deadline - time.perf_counter(), timeout)
         self.arrived(request.scope)  # no await between this and queueing: the collector sees one or the other
         future = self.batcher.submit(job)
         gone = asyncio.ensure_future(_disconnected(request.receive))
@@ -201,7 +202,7 @@ class Service:
         raise DeadlineExceeded(f"no answer within the request's deadline of {timeout:g} s (X-Request-Timeout, at "
                                f"most request_timeout_s); its work was stopped", limit=timeout)
 
-    def _admit(self, job: Job, work: Work, remaining: float, timeout: float) -> None:
+    def _admit(self, work: Work, remaining: float, timeout: float) -> None:
         """Refuse at once, before any work, a request whose answer cannot come in time: alone (413) or
         behind the work already queued (503 with Retry-After). Hypothesis lists are predicted closely and
         must fit in their deadline with room for the other requests that share the worker (HEADROOM);
@@ -211,15 +212,15 @@ class Service:
         reliable."""
         check_lists(work.seconds - work.lattice_seconds, remaining, timeout,
                     "sentences" if work.kind == "score" else "utterances")
-        if job.long:
-            self.check_backlog(job.seconds, remaining)
+        self.check_backlog(work.seconds, work.lattice_seconds, remaining)
 
-    def check_backlog(self, own: float, remaining: float) -> None:
-        """503 for a long request expected to take `own` worker seconds when the long work queued ahead and its own,
-        x LONG_WAIT, would take it past what is left of its deadline (`remaining`), while the worker is busy."""
-        backlog = self.long_backlog()
-        if backlog is not None and (backlog + own) * LONG_WAIT > remaining:
-            raise overloaded(backlog, remaining, f"this request about {own:.1f} s")
+    def check_backlog(self, seconds: float, lattice_seconds: float, remaining: float) -> None:
+        """503 for a long request (predicted to take `seconds`, `lattice_seconds` of them its lattices' upper bound:
+        more than one slice) when the long work queued ahead and its own expected seconds, x LONG_WAIT, would take
+        it past what is left of its deadline (`remaining`), while the worker is busy."""
+        if seconds > self.batcher.slice_s:
+            own = self.worker.expected_seconds(seconds, lattice_seconds)
+            behind(self.long_backlog(), own, remaining, f"this request about {own:.1f} s")
 
     def long_backlog(self) -> float | None:
         """The long requests' backlog in worker seconds while the worker is busy (what a long request queues
@@ -234,9 +235,13 @@ class Service:
         return EarlyChecks(deadline, timeout, field, self.batcher.slice_s, self.long_backlog())
 
 
-def overloaded(backlog: float, remaining: float, own: str) -> Unavailable:
-    return Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and {own}, more than its "
-                       f"deadline allows ({remaining:.1f} s left); retry later", retry_after=max(1, math.ceil(backlog)))
+def behind(backlog: float | None, own: float, remaining: float, what: str) -> None:
+    """503 when the long work queued ahead (`backlog`; None: the worker is not busy) and a long request's own `own`
+    seconds (`what`, in words), x LONG_WAIT, take more than the `remaining` seconds of its deadline."""
+    if backlog is not None and (backlog + own) * LONG_WAIT > remaining:
+        raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and {what}, more than its "
+                          f"deadline allows ({remaining:.1f} s left); retry later",
+                          retry_after=max(1, math.ceil(backlog)))
 
 
 class EarlyChecks:
@@ -256,11 +261,8 @@ class EarlyChecks:
     def so_far(self, seconds: float) -> None:
         """503 when the request needs at least `seconds` (a floor of its prediction), more than one slice, and
         the long work queued ahead already fills what its deadline allows."""
-        if self.backlog is None or seconds <= self.slice_s:
-            return
-        remaining = self.deadline - time.perf_counter()
-        if self.backlog * LONG_WAIT > remaining:
-            raise overloaded(self.backlog, remaining, f"this request at least {seconds:.1f} s")
+        if seconds > self.slice_s:  # its own part counted as 0: it may be mostly lattices' upper bound
+            behind(self.backlog, 0.0, self.deadline - time.perf_counter(), f"this request at least {seconds:.1f} s")
 
 
 def check_lists(lists: float, remaining: float, timeout: float, field: str) -> None:
