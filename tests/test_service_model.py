@@ -251,6 +251,38 @@ def test_lattices_stop_being_parsed_once_their_predicted_seconds_pass_the_limit(
     inputs.rescore_work(body, models, dataclasses.replace(models.s, max_request_seconds=6.5 * one))
 
 
+def test_lattices_stop_being_parsed_once_their_predicted_bytes_pass_the_limit(models, monkeypatch):
+    """Lattices expanded together hold their LM states together: once the largest of those parsed so far need more
+    than max_request_bytes, the request is refused naming the lattice that crossed it, the rest never read."""
+    import dataclasses
+
+    from smallstate_lm.service import inputs
+    from smallstate_lm.service.errors import CostLimitError
+    from smallstate_lm.service.schemas import RescoreRequest
+
+    lat = _lattices()[0]
+    rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
+    text = "\n".join("\t".join(r[:2] + [lat.symbols.word(int(r[2]))] * 2 + r[4:]) if len(r) == 5 else "\t".join(r)
+                     for r in rows) + "\n"
+    body = RescoreRequest.model_validate({"utterances": [
+        {"id": f"u{i}", "lattice": {"format": "openfst-text", "data": text}} for i in range(6)]})
+    one = inputs.rescore_work(RescoreRequest.model_validate({"utterances": body.utterances[:1]}), models,
+                              models.s).nbytes
+    assert one > 0
+    parsed = []
+    parse = inputs.parse_lattice
+    monkeypatch.setattr(inputs, "parse_lattice", lambda *a, **k: parsed.append(a[1]) or parse(*a, **k))
+    limit = dataclasses.replace(models.s, max_request_bytes=int(2.5 * one))
+    with pytest.raises(CostLimitError) as e:
+        inputs.rescore_work(body, models, limit)
+    assert e.value.field == "utterances[2].lattice" and "max_request_bytes" in str(e.value)
+    assert parsed == [f"utterances[{i}].lattice" for i in range(3)], "the last three were never parsed"
+    # expanded a few at a time, the lattices beyond one batch add nothing to the peak
+    few = dataclasses.replace(models.expand_config, batch_lattices=2)
+    monkeypatch.setattr(models, "expand_config", few)
+    assert inputs.rescore_work(body, models, limit).nbytes == 2 * one
+
+
 def test_work_priced_only_predicts_what_the_work_predicts(models):
     """The pricing process prepares work without the lattices' weights (`priced_only`): its prediction, steps and
     arcs are those of the work the server prepares, lattice for lattice."""

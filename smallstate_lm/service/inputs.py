@@ -12,6 +12,7 @@ from smallstate_lm.rescoring.fst_text import FstTextColumns, fst_text_columns
 from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
 from smallstate_lm.rescoring.lattice_io import read_fst_text, read_slf_text
 from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
+from smallstate_lm.scoring import TreeSize
 
 from .cost import lattice_shape
 from .errors import CostLimitError, LimitError, ServiceError
@@ -23,12 +24,14 @@ from .work import (
     NbestItem,
     Work,
     lattice_item,
+    lattices_peak,
     list_floor,
     lists_seconds,
     make_work,
     nbest_item,
     prepared,
     request_weights,
+    trie_sizes_of,
 )
 
 
@@ -52,11 +55,12 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
     if body.nbest is not None and body.nbest > s.max_nbest:
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
     weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
-    lists_floor = _check_lists_early(body, models, s, early) if early is not None else 0.0
+    lists_floor, sizes = _check_lists_early(body, models, s, early) if early is not None else (0.0, None)
     items: list[NbestItem | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
     lattice_s = 0.0  # and their predicted seconds: over the limit, the rest of the request need not be parsed
+    lattice_bytes: list[int] = []  # and their predicted peak bytes, likewise
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
@@ -75,6 +79,13 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
                                      s.max_lattice_cost)
             item = lattice_item(models, lat, body.nbest or s.lattice_nbest, shape)
             lattice_s += item.seconds
+            lattice_bytes.append(item.nbytes)
+            need = lattices_peak(models, lattice_bytes)
+            if need > s.max_request_bytes:
+                raise CostLimitError(f"the request's lattices up to {where} alone would need up to "
+                                     f"{need / 2**20:.0f} MiB of working memory (predicted by the cost model), more "
+                                     f"than the limit of {s.max_request_bytes / 2**20:.0f} MiB (max_request_bytes)",
+                                     f"{where}.lattice", s.max_request_bytes)
             if early is not None:
                 early.so_far(lists_floor + lattice_s)
             if lattice_s > s.max_request_seconds:
@@ -84,35 +95,37 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
                                      s.max_request_seconds)
             items.append(item)
         fields.append(where)
-    work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs)
+    work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs, sizes)
     _check_cost(work, "utterances", s)
     return work
 
 
-def _check_lists_early(body: RescoreRequest, models: Models, s: Settings, early: Early) -> float:
+def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
+                       early: Early) -> tuple[float, list[TreeSize | None] | None]:
     """The request's hypothesis lists predicted as `make_work` will predict them, from the request's words (any
     context first), and told to `early`; before that, list by list, a floor of that prediction that costs one
     pass over the hypotheses (no trie), told as it grows. Lists over a count limit are left to `_hypotheses`,
-    which names them. Returns the floor."""
+    which names them. Returns the floor, and the lists' trie sizes (for `make_work`) once all were counted."""
     lists = []
     floor = 0.0
     for u in body.utterances:
         if u.hypotheses is None:
             continue
         if len(u.hypotheses) > s.max_hypotheses:
-            return floor
+            return floor, None
         context = u.context.split() if u.context else []
         seqs = [h.words if h.words is not None else h.text.split() for h in u.hypotheses]
         if len(context) > s.max_words or max(map(len, seqs)) > s.max_words:
-            return floor
+            return floor, None
         if context:
             seqs = [context + q for q in seqs]
         lists.append(seqs)
         floor += list_floor(models, seqs)
         early.so_far(floor)
+    sizes = trie_sizes_of(models, lists)
     if lists:
-        early.lists(lists_seconds(models, lists))
-    return floor
+        early.lists(lists_seconds(models, lists, sizes))
+    return floor, sizes
 
 
 def _check_cost(work: Work, field: str, s: Settings) -> None:

@@ -6,6 +6,7 @@ the loaded models only."""
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -134,14 +135,18 @@ def _item(plain: Utterance, context: list[str], ids: list[str]) -> NbestItem:
 
 
 def make_work(models: Models, kind: Literal["rescore", "score"], items: list[NbestItem | LatticeItem],
-              fields: list[str], weights: Weights, nbest: int | None = None, token_logprobs: bool = False) -> Work:
+              fields: list[str], weights: Weights, nbest: int | None = None, token_logprobs: bool = False,
+              sizes: list[TreeSize | None] | None = None) -> Work:
     """A request's work with its token counts (the tokens its hypotheses have, the ones a
-    prefix-sharing scorer computes), lattice arcs, and predicted seconds and bytes."""
+    prefix-sharing scorer computes), lattice arcs, and predicted seconds and bytes. `sizes`: the hypothesis
+    lists' `trie_sizes`, in order, when already worked out."""
     work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest, token_logprobs=token_logprobs)
     neural = models.neural is not None
     lattice_bytes = []
     lists = [it for it in items if isinstance(it, NbestItem)]
-    sizes = dict(zip(map(id, lists), _trie_sizes(models, [[h.words for h in it.scored.hyps] for it in lists])))
+    if sizes is None:
+        sizes = trie_sizes_of(models, [[h.words for h in it.scored.hyps] for it in lists])
+    sizes = dict(zip(map(id, lists), sizes, strict=True))
     for it, field in zip(items, fields):
         if isinstance(it, LatticeItem):
             check_lattice_vocabulary(models, it.lattice, f"{field}.lattice")
@@ -154,10 +159,15 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
             work.nbytes = max(work.nbytes, nbytes)
             work.tokens_computed += it.cost if neural else 0
     work.seconds = _lists_seconds(models, [it.seconds for it in lists]) + work.lattice_seconds
-    # lattices are expanded expand_config.batch_lattices at a time
-    together = models.expand_config.lattices_per_batch(neural)
-    work.nbytes = max(work.nbytes, sum(sorted(lattice_bytes)[-together:]))
+    work.nbytes = max(work.nbytes, lattices_peak(models, lattice_bytes))
     return work
+
+
+def lattices_peak(models: Models, nbytes: list[int]) -> int:
+    """Predicted peak bytes of expanding lattices of predicted peaks `nbytes`: they are expanded
+    `expand_config.lattices_per_batch` at a time, so the largest of them may be held together. Grows with every
+    lattice added: a request's lattices so far give a floor of its whole peak."""
+    return sum(heapq.nlargest(models.expand_config.lattices_per_batch(models.neural is not None), nbytes))
 
 
 def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | None = None) -> LatticeItem:
@@ -171,7 +181,7 @@ def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | Non
 
 def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tuple[int, int]:
     """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
-    tokens and predicted peak bytes. `size`: its trie's (`_trie_sizes`; None unless the scorer shares prefixes)."""
+    tokens and predicted peak bytes. `size`: its trie's (`trie_sizes_of`; None unless the scorer shares prefixes)."""
     seqs = [h.words for h in it.scored.hyps]
     tokens, it.cost, it.depth, nbytes, it.seconds = _list_estimate(models, seqs, size)
     it.tree = size
@@ -211,10 +221,10 @@ def _share(models: Models, seconds: float) -> float:
     return seconds - (models.cost.call_s if seconds <= models.step_s else 0.0)
 
 
-def lists_seconds(models: Models, lists: list[list[list[str]]]) -> float:
+def lists_seconds(models: Models, lists: list[list[list[str]]], sizes: list[TreeSize | None]) -> float:
     """What `make_work` will predict for hypothesis lists given as word sequences (as the LMs see them: any
-    context words first), without building them: a request's cheapest prediction, for refusing it early."""
-    sizes = _trie_sizes(models, lists)
+    context words first) and their `trie_sizes_of`, without building them: a request's cheapest prediction, for
+    refusing it early."""
     return _lists_seconds(models, [_list_estimate(models, seqs, size, nbytes=False)[4]
                                    for seqs, size in zip(lists, sizes)])
 
@@ -233,7 +243,7 @@ def list_floor(models: Models, seqs: list[list[str]]) -> float:
     return _share(models, seconds) if neural else seconds  # monotone: a floor stays a floor
 
 
-def _trie_sizes(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
+def trie_sizes_of(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
     """The size of the prefix trie the scorer builds over each list of word sequences (all None unless the
     scorer shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""
     neural = models.neural
