@@ -20,7 +20,6 @@ from pathlib import Path
 
 from common import command, machine, write_section
 from service_client import (
-    DEV,
     ROOT,
     ServerProcess,
     build_requests,
@@ -64,16 +63,17 @@ def nbest_packs(paths: list[str], limit: int, n: int, max_utts: int) -> list[byt
     return reqs
 
 
-def lattice_packs(limit: int, max_per_state: int, n: int, max_utts: int) -> list[bytes]:
-    """`n` requests of real dev lattices (OpenFST text, words as labels), each packed to 80-100% of
-    `limit` estimated LM steps or to `max_utts` lattices, whichever comes first."""
+def lattice_packs(dev: Path, limit: int, max_per_state: int, n: int, max_utts: int) -> list[bytes]:
+    """`n` requests of real dev lattices (`dev`/festival_*/fst/*.lat.fst, words.txt in `dev`; OpenFST text,
+    words as labels), each packed to 80-100% of `limit` estimated LM steps or to `max_utts` lattices, whichever
+    comes first."""
     from smallstate_lm.rescoring.lattice import SymbolTable
     from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
     from smallstate_lm.service.inputs import lattice_cost
 
-    symbols = SymbolTable.read(DEV / "words.txt")
+    symbols = SymbolTable.read(dev / "words.txt")
     lats = []
-    for path in sorted(DEV.glob("festival_*/fst/*.lat.fst"))[:80]:
+    for path in sorted(dev.glob("festival_*/fst/*.lat.fst"))[:80]:
         lat = read_fst(path, symbols).prepare()
         cost = lattice_cost(lat, max_per_state)
         if cost <= limit:
@@ -352,6 +352,15 @@ def percentile(xs: list[float], q: float) -> float:
     return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def dev_dir(nbest: list[str]) -> Path:
+    """The dev data beside the n-best lists (DIR/festival_x/nbest.tsv -> DIR), whose lattices the packs take."""
+    dev = Path(nbest[0]).resolve().parent.parent
+    if not (dev / "words.txt").is_file() or not any(dev.glob("festival_*/fst/*.lat.fst")):
+        sys.exit(f"bench_service --abuse: no dev lattices beside {nbest[0]} (expected {dev}/festival_*/fst/*.lat.fst "
+                 f"and {dev}/words.txt)")
+    return dev
+
+
 def run_abuse(args: argparse.Namespace) -> None:
     from smallstate_lm.service.settings import Settings
 
@@ -361,7 +370,8 @@ def run_abuse(args: argparse.Namespace) -> None:
     small = [("small", r) for r in build_requests(args.nbest, 5, args.utts)[0]]
     half, utts = (n_heavy + 1) // 2, server_settings.max_utterances
     packs = zip(nbest_packs(args.nbest, server_settings.max_trie_nodes, half, utts),
-                lattice_packs(server_settings.max_lattice_cost, server_settings.max_per_state, half, utts))
+                lattice_packs(dev_dir(args.nbest), server_settings.max_lattice_cost, server_settings.max_per_state,
+                              half, utts))
     heavy = [r for pair in packs for r in pair][:n_heavy]
     mixed = [small[i % len(small)] for i in range(args.requests - n_heavy)] + [(HEAVY_KINDS[i % 2], r)
                                                                                for i, r in enumerate(heavy)]
