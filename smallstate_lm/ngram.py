@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from operator import itemgetter
 from pathlib import Path
 from typing import Sequence
 
@@ -135,7 +136,7 @@ class NgramLM:
     def token_logprobs(self, words: Sequence[str]) -> np.ndarray:
         """(len(words) + 1,) natural-log probabilities of each word and `</s>`, from `<s>`."""
         sent = " ".join(words)
-        return np.fromiter((lp for lp, _, _ in self.model.full_scores(sent, bos=True, eos=True)),
+        return np.fromiter(map(itemgetter(0), self.model.full_scores(sent, bos=True, eos=True)),
                            dtype=np.float64, count=len(words) + 1) * LN10
 
     def sentence_logprob(self, words: Sequence[str]) -> float:

@@ -11,6 +11,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 
 from .errors import VocabularyError
@@ -92,10 +93,11 @@ class Vocabulary:
 
     def encode(self, words: Sequence[str], stats: EncodeStats | None = None) -> list[int]:
         """Map words to ids, OOVs to `<unk>`; updates `stats` when given."""
-        ids = [self.index.get(self.normalise(w), UNK_ID) for w in words]
+        # map() with the dict's own get: no Python frame per word (this runs for every hypothesis scored)
+        ids = list(map(self.index.get, map(str.lower, words) if self.lowercase else words, repeat(UNK_ID)))
         if stats is not None:
             stats.words += len(ids)
-            stats.oov += sum(1 for i in ids if i == UNK_ID)
+            stats.oov += ids.count(UNK_ID)
         return ids
 
     def decode(self, ids: Iterable[int]) -> list[str]:
