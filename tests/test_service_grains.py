@@ -143,6 +143,54 @@ def test_predicted_seconds_and_bytes_over_the_limits_are_413_naming_them(tiny_lm
         assert srv.stop() == 0
 
 
+def _dev_lattices_request(n: int) -> dict:
+    """`n` of the test lattices as a client sends them: OpenFST text, words as labels."""
+    from conftest import TEST_DATA
+
+    from smallstate_lm.rescoring.lattice import SymbolTable
+    from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
+
+    symbols = SymbolTable.read(TEST_DATA / "lattices" / "words.txt")
+    utts = []
+    for path in sorted((TEST_DATA / "lattices").glob("*.lat.fst"))[:n]:
+        rows = [line.split("\t") for line in lattice_to_text(read_fst(path, symbols)).splitlines()]
+        text = "\n".join("\t".join(r[:2] + [symbols.word(int(r[2]))] * 2 + r[4:]) if len(r) == 5 else "\t".join(r)
+                         for r in rows) + "\n"
+        utts.append({"id": path.stem, "lattice": {"format": "openfst-text", "data": text}})
+    return {"utterances": utts}
+
+
+def test_lattices_that_would_not_fit_in_memory_together_are_served_fewer_at_a_time(tiny_lm_dir, kenlm_model,
+                                                                                    tmp_path):
+    """A request whose lattices' predicted peaks exceed max_request_bytes together, each fitting alone, is let in
+    and expanded a few at a time: the same answers as a server whose limit holds them all together."""
+    from smallstate_lm.service.inputs import rescore_work
+    from smallstate_lm.service.model import Models
+    from smallstate_lm.service.schemas import RescoreRequest
+    from smallstate_lm.service.settings import Settings
+
+    request = _dev_lattices_request(4)
+    m = Models(Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), device="cpu", threads=1))
+    m.load()
+    peaks = [it.nbytes for it in rescore_work(RescoreRequest.model_validate(request), m, m.s).items]
+    assert min(peaks) > 0
+    limit = max(peaks) + min(peaks) // 2  # any one fits, no two of the largest do
+    tight = Server(tiny_lm_dir, kenlm_model, f"max_request_bytes={limit}", "drain_seconds=0",
+                   log=tmp_path / "tight.log")
+    roomy = Server(tiny_lm_dir, kenlm_model, f"max_request_bytes={sum(peaks)}", "drain_seconds=0",
+                   log=tmp_path / "roomy.log")
+    try:
+        answers = [post(srv, "/rescore", request) for srv in (tight, roomy)]
+    finally:
+        assert tight.stop() == 0 and roomy.stop() == 0
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    a, b = (r.json() for r in answers)
+    for x, y in zip(a["utterances"], b["utterances"], strict=True):
+        assert [h["words"] for h in x["hypotheses"]] == [h["words"] for h in y["hypotheses"]]
+        assert [h["total"] for h in x["hypotheses"]] == pytest.approx([h["total"] for h in y["hypotheses"]],
+                                                                      abs=1e-4)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sets another process's address-space limit")
 def test_running_out_of_memory_answers_503_and_the_worker_goes_on(tiny_lm_dir, tmp_path, monkeypatch):
     """Under an address-space cap a lattice level that needs more than the cap fails to allocate: 503 (not

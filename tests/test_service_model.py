@@ -251,14 +251,17 @@ def test_lattices_stop_being_parsed_once_their_predicted_seconds_pass_the_limit(
     inputs.rescore_work(body, models, dataclasses.replace(models.s, max_request_seconds=6.5 * one))
 
 
-def test_lattices_stop_being_parsed_once_their_predicted_bytes_pass_the_limit(models, monkeypatch):
-    """Lattices expanded together hold their LM states together: once the largest of those parsed so far need more
-    than max_request_bytes, the request is refused naming the lattice that crossed it, the rest never read."""
+def test_lattices_that_do_not_fit_together_are_expanded_fewer_at_a_time_and_one_over_the_limit_is_refused(
+        models, monkeypatch):
+    """Lattices expanded together hold their LM states together: where the largest of a request's lattices would
+    need more than max_request_bytes together, the work plans fewer at a time (the request is let in, its peak
+    within the limit); a lattice over the limit alone is refused naming it, the lattices after it never read."""
     import dataclasses
 
     from smallstate_lm.service import inputs
     from smallstate_lm.service.errors import CostLimitError
     from smallstate_lm.service.schemas import RescoreRequest
+    from smallstate_lm.service.work import lattices_together
 
     lat = _lattices()[0]
     rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
@@ -269,18 +272,21 @@ def test_lattices_stop_being_parsed_once_their_predicted_bytes_pass_the_limit(mo
     one = inputs.rescore_work(RescoreRequest.model_validate({"utterances": body.utterances[:1]}), models,
                               models.s).nbytes
     assert one > 0
+    limit = dataclasses.replace(models.s, max_request_bytes=int(2.5 * one))
+    monkeypatch.setattr(models, "s", limit)
+    work = inputs.rescore_work(body, models, limit)
+    assert work.nbytes == 2 * one <= limit.max_request_bytes
+    assert lattices_together(models, [it.nbytes for it in work.items], limit.max_request_bytes) == 2
+    assert lattices_together(models, [it.nbytes for it in work.items], 100 * one) == 6  # all fit: one batch
     parsed = []
     parse = inputs.parse_lattice
     monkeypatch.setattr(inputs, "parse_lattice", lambda *a, **k: parsed.append(a[1]) or parse(*a, **k))
-    limit = dataclasses.replace(models.s, max_request_bytes=int(2.5 * one))
+    small = dataclasses.replace(models.s, max_request_bytes=one - 1)
+    monkeypatch.setattr(models, "s", small)
     with pytest.raises(CostLimitError) as e:
-        inputs.rescore_work(body, models, limit)
-    assert e.value.field == "utterances[2].lattice" and "max_request_bytes" in str(e.value)
-    assert parsed == [f"utterances[{i}].lattice" for i in range(3)], "the last three were never parsed"
-    # expanded a few at a time, the lattices beyond one batch add nothing to the peak
-    few = dataclasses.replace(models.expand_config, batch_lattices=2)
-    monkeypatch.setattr(models, "expand_config", few)
-    assert inputs.rescore_work(body, models, limit).nbytes == 2 * one
+        inputs.rescore_work(body, models, small)
+    assert e.value.field == "utterances[0].lattice" and "max_request_bytes" in str(e.value)
+    assert parsed == ["utterances[0].lattice"], "the other lattices were never parsed"
 
 
 def test_work_priced_only_predicts_what_the_work_predicts(models):

@@ -110,7 +110,7 @@ class LatticeRescorer:
     def expand(self, lat: Lattice) -> ExpandedLattice:
         return next(iter(self.expand_many([lat])))[1]
 
-    def expand_many(self, lats, on_error=None, should_stop=None, pause: bool = False):
+    def expand_many(self, lats, on_error=None, should_stop=None, pause: bool = False, batch: int | None = None):
         """Yield (index, ExpandedLattice) as lattices finish (not in input order).
         `lats` may be an iterable of Lattice or of callables returning one; a
         SmallstateError from preparing one is passed to `on_error(index, error)`
@@ -121,8 +121,9 @@ class LatticeRescorer:
         the work of a request that was cancelled or timed out. With `pause`, None is also
         yielded after every level and between the LM calls of a level (`rows_per_call`): a caller
         may stop there, do other work, and resume; a lattice stopped between two calls of a level
-        has no more rows computed."""
-        yield from _Schedule(self, lats, on_error, should_stop, pause).results()
+        has no more rows computed. `batch`: at most this many lattices in flight (default
+        `cfg.lattices_per_batch`), e.g. fewer where their LM states would not fit in memory together."""
+        yield from _Schedule(self, lats, on_error, should_stop, pause, batch).results()
 
     def _lm_call(self, obj: np.ndarray, row: np.ndarray, tok: np.ndarray, objs: dict[int, object],
                  new_obj: int) -> np.ndarray:
@@ -159,10 +160,10 @@ class _Schedule:
     a lattice leaves, its result yielded, after its last level. Neural LM states live in numbered objects
     (`objs`, one per LM call) for as long as a waiting path points into them."""
 
-    def __init__(self, r: LatticeRescorer, lats, on_error, should_stop, pause: bool):
+    def __init__(self, r: LatticeRescorer, lats, on_error, should_stop, pause: bool, batch: int | None = None):
         self.r, self.on_error, self.should_stop, self.pause = r, on_error, should_stop, pause
         self.source = iter(enumerate(lats))
-        self.batch = r.cfg.lattices_per_batch(r.model is not None)
+        self.batch = batch or r.cfg.lattices_per_batch(r.model is not None)
         self.run = Run()
         self.active: list[LatticeJob] = []
         self.frontier: Frontier | None = None

@@ -24,7 +24,6 @@ from .work import (
     NbestItem,
     Work,
     lattice_item,
-    lattices_peak,
     list_floor,
     lists_seconds,
     make_work,
@@ -60,7 +59,6 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
     lattice_s = 0.0  # and their predicted seconds: over the limit, the rest of the request need not be parsed
-    lattice_bytes: list[int] = []  # and their predicted peak bytes, likewise
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
@@ -79,12 +77,10 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
                                      s.max_lattice_cost)
             item = lattice_item(models, lat, body.nbest or s.lattice_nbest, shape)
             lattice_s += item.seconds
-            lattice_bytes.append(item.nbytes)
-            need = lattices_peak(models, lattice_bytes)
-            if need > s.max_request_bytes:
-                raise CostLimitError(f"the request's lattices up to {where} alone would need up to "
-                                     f"{need / 2**20:.0f} MiB of working memory (predicted by the cost model), more "
-                                     f"than the limit of {s.max_request_bytes / 2**20:.0f} MiB (max_request_bytes)",
+            if item.nbytes > s.max_request_bytes:  # lattices that do not fit together are expanded fewer at a time
+                raise CostLimitError(f"expanding the lattice would need up to {item.nbytes / 2**20:.0f} MiB of "
+                                     f"working memory (predicted by the cost model), more than the limit of "
+                                     f"{s.max_request_bytes / 2**20:.0f} MiB (max_request_bytes)",
                                      f"{where}.lattice", s.max_request_bytes)
             if early is not None:
                 early.so_far(lists_floor + lattice_s)

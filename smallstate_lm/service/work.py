@@ -159,15 +159,28 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
             work.nbytes = max(work.nbytes, nbytes)
             work.tokens_computed += it.cost if neural else 0
     work.seconds = _lists_seconds(models, [it.seconds for it in lists]) + work.lattice_seconds
-    work.nbytes = max(work.nbytes, lattices_peak(models, lattice_bytes))
+    work.nbytes = max(work.nbytes, lattices_peak(models, lattice_bytes, models.s.max_request_bytes))
     return work
 
 
-def lattices_peak(models: Models, nbytes: list[int]) -> int:
-    """Predicted peak bytes of expanding lattices of predicted peaks `nbytes`: they are expanded
-    `expand_config.lattices_per_batch` at a time, so the largest of them may be held together. Grows with every
-    lattice added: a request's lattices so far give a floor of its whole peak."""
-    return sum(heapq.nlargest(models.expand_config.lattices_per_batch(models.neural is not None), nbytes))
+def lattices_together(models: Models, nbytes: list[int], limit: int) -> int:
+    """How many of lattices of predicted peaks `nbytes` the worker expands at a time: a batch
+    (`expand_config.lattices_per_batch`), or fewer when the largest of them together would need more than `limit`
+    bytes (at least one: a lattice over the limit alone is refused when its request comes in)."""
+    k = 0
+    total = 0
+    for b in heapq.nlargest(models.expand_config.lattices_per_batch(models.neural is not None), nbytes):
+        total += b
+        if total > limit:
+            break
+        k += 1
+    return max(1, k)
+
+
+def lattices_peak(models: Models, nbytes: list[int], limit: int) -> int:
+    """Predicted peak bytes of expanding lattices of predicted peaks `nbytes`, `lattices_together` at a time: the
+    largest of them may be held together. At most `limit` unless one lattice alone needs more."""
+    return sum(heapq.nlargest(lattices_together(models, nbytes, limit), nbytes))
 
 
 def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | None = None) -> LatticeItem:

@@ -25,7 +25,7 @@ from .errors import DeadlineExceeded, ServiceError, Unavailable
 from .metrics import Metrics
 from .model import Models
 from .results import result
-from .work import LatticeItem, NbestItem, Work
+from .work import LatticeItem, NbestItem, Work, lattices_together
 
 log = logging.getLogger("smallstate_lm.service")
 _DONE = object()
@@ -295,11 +295,14 @@ class _LatticeGroup:
                 self.finished(job)
 
     def _run(self, indices: list[int]) -> Iterator[None]:
+        models = self.worker.models
         lattices = [self.members[i][2].lattice for i in indices]
-        rescorer = self.worker.models.rescorer(self.members[0][0].payload.weights, sum(x.num_arcs for x in lattices))
+        rescorer = models.rescorer(self.members[0][0].payload.weights, sum(x.num_arcs for x in lattices))
+        # as many at a time as the predicted peaks of the largest of them allow together (`make_work`'s figure)
+        together = lattices_together(models, [self.members[i][2].nbytes for i in indices], models.s.max_request_bytes)
         t = time.perf_counter()
         for out in rescorer.expand_many(lattices, on_error=lambda k, e: self._failed(indices[k], e),
-                                        should_stop=lambda k: self._stop(indices[k]), pause=True):
+                                        should_stop=lambda k: self._stop(indices[k]), pause=True, batch=together):
             if out is not None:
                 self._take(indices[out[0]], out[1])
             self.spent += time.perf_counter() - t
