@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -93,12 +93,16 @@ class Vocabulary:
 
     def encode(self, words: Sequence[str], stats: EncodeStats | None = None) -> list[int]:
         """Map words to ids, OOVs to `<unk>`; updates `stats` when given."""
-        # map() with the dict's own get: no Python frame per word (this runs for every hypothesis scored)
-        ids = list(map(self.index.get, map(str.lower, words) if self.lowercase else words, repeat(UNK_ID)))
+        ids = list(self.ids(words))
         if stats is not None:
             stats.words += len(ids)
             stats.oov += ids.count(UNK_ID)
         return ids
+
+    def ids(self, words: Iterable[str]) -> Iterator[int]:
+        """`encode` as an iterator (e.g. for numpy.fromiter over many hypotheses' words at once)."""
+        # map() with the dict's own get: no Python frame per word (this runs for every hypothesis scored)
+        return map(self.index.get, map(str.lower, words) if self.lowercase else words, repeat(UNK_ID))
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.words[i] for i in ids]

@@ -263,11 +263,8 @@ def trie_sizes_of(models: Models, lists: list[list[list[str]]]) -> list[TreeSize
     if neural is None or not (neural.use_tree and neural.share_prefixes) or not lists:
         return [None] * len(lists)
     seqs = list(itertools.chain.from_iterable(lists))
-    words = list(itertools.chain.from_iterable(seqs))
-    distinct = list(set(words))
-    ids = dict(zip(distinct, neural.vocab.encode(distinct)))
-    flat = np.array(list(map(ids.__getitem__, words)), dtype=np.int64)  # a list first: fromiter(map) is slower
     lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(neural.vocab.ids(itertools.chain.from_iterable(seqs)), dtype=np.int64, count=int(lens.sum()))
     which = np.repeat(np.arange(len(lists)), list(map(len, lists)))
     return trie_sizes(flat, lens, which, len(lists), end=EOS_ID)
 
