@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--disconnects", type=int, default=50, help="--abuse: clients that hang up half-way")
     ap.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                     help="--abuse: server settings besides ABUSE_SETTINGS (repeatable)")
+    ap.add_argument("--dev", default=None, metavar="DIR", help="--abuse: the dev data whose lattices make the lattice "
+                    "packs (DIR/festival_*/fst/*.lat.fst, DIR/words.txt); default: the directory above --nbest's lists")
     ap.add_argument("--wedges", type=int, default=3, help="--abuse: times each wedge shape is sent during the mix")
     ap.add_argument("--no-wedges", dest="wedges", action="store_const", const=0, help="--abuse: no wedges")
     ap.add_argument("--wedge-clients", type=int, default=4, help="--abuse: clients that send the wedges")

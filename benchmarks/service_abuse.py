@@ -352,17 +352,20 @@ def percentile(xs: list[float], q: float) -> float:
     return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def dev_dir(nbest: list[str]) -> Path:
-    """The dev data beside the n-best lists (DIR/festival_x/nbest.tsv -> DIR), whose lattices the packs take."""
-    dev = Path(nbest[0]).resolve().parent.parent
+def dev_dir(args: argparse.Namespace) -> Path:
+    """The dev data whose lattices the packs take: --dev, else the directory above the n-best lists'
+    (DIR/festival_x/nbest.tsv -> DIR; links not followed)."""
+    dev = Path(args.dev) if args.dev else Path(args.nbest[0]).absolute().parent.parent
     if not (dev / "words.txt").is_file() or not any(dev.glob("festival_*/fst/*.lat.fst")):
-        sys.exit(f"bench_service --abuse: no dev lattices beside {nbest[0]} (expected {dev}/festival_*/fst/*.lat.fst "
-                 f"and {dev}/words.txt)")
+        sys.exit(f"bench_service --abuse: no dev lattices in {dev} (expected festival_*/fst/*.lat.fst and words.txt "
+                 f"there; give --dev DIR)")
     return dev
 
 
 def run_abuse(args: argparse.Namespace) -> None:
     from smallstate_lm.service.settings import Settings
+
+    dev = dev_dir(args)  # before any pack is built
 
     settings = [*ABUSE_SETTINGS, f"precision={args.precision}", *args.settings]
     server_settings = Settings.from_env(assignments=settings)  # as the server reads them (it inherits our environment)
@@ -370,7 +373,7 @@ def run_abuse(args: argparse.Namespace) -> None:
     small = [("small", r) for r in build_requests(args.nbest, 5, args.utts)[0]]
     half, utts = (n_heavy + 1) // 2, server_settings.max_utterances
     packs = zip(nbest_packs(args.nbest, server_settings.max_trie_nodes, half, utts),
-                lattice_packs(dev_dir(args.nbest), server_settings.max_lattice_cost, server_settings.max_per_state,
+                lattice_packs(dev, server_settings.max_lattice_cost, server_settings.max_per_state,
                               half, utts))
     heavy = [r for pair in packs for r in pair][:n_heavy]
     mixed = [small[i % len(small)] for i in range(args.requests - n_heavy)] + [(HEAVY_KINDS[i % 2], r)

@@ -273,7 +273,6 @@ def test_lattices_that_do_not_fit_together_are_expanded_fewer_at_a_time_and_one_
                               models.s).nbytes
     assert one > 0
     limit = dataclasses.replace(models.s, max_request_bytes=int(2.5 * one))
-    monkeypatch.setattr(models, "s", limit)
     work = inputs.rescore_work(body, models, limit)
     assert work.nbytes == 2 * one <= limit.max_request_bytes
     assert lattices_together(models, [it.nbytes for it in work.items], limit.max_request_bytes) == 2
@@ -282,11 +281,46 @@ def test_lattices_that_do_not_fit_together_are_expanded_fewer_at_a_time_and_one_
     parse = inputs.parse_lattice
     monkeypatch.setattr(inputs, "parse_lattice", lambda *a, **k: parsed.append(a[1]) or parse(*a, **k))
     small = dataclasses.replace(models.s, max_request_bytes=one - 1)
-    monkeypatch.setattr(models, "s", small)
     with pytest.raises(CostLimitError) as e:
         inputs.rescore_work(body, models, small)
     assert e.value.field == "utterances[0].lattice" and "max_request_bytes" in str(e.value)
     assert parsed == ["utterances[0].lattice"], "the other lattices were never parsed"
+
+
+def test_the_worker_expands_a_group_of_lattices_as_many_at_a_time_as_fit_the_byte_limit(models, monkeypatch):
+    """Two requests under the same weights share one expansion: the worker runs it with as many lattices in flight
+    as fit max_request_bytes together (the server's setting), and both requests get their answers."""
+    import dataclasses
+
+    from smallstate_lm.rescoring import lattice_expand
+    from smallstate_lm.service import inputs
+    from smallstate_lm.service.batcher import Job
+    from smallstate_lm.service.schemas import RescoreRequest
+    from smallstate_lm.service.worker import Worker
+
+    lat = _lattices()[0]
+    rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
+    text = "\n".join("\t".join(r[:2] + [lat.symbols.word(int(r[2]))] * 2 + r[4:]) if len(r) == 5 else "\t".join(r)
+                     for r in rows) + "\n"
+    bodies = [RescoreRequest.model_validate({"utterances": [
+        {"id": f"r{k}u{i}", "lattice": {"format": "openfst-text", "data": text}} for i in range(3)]}) for k in (0, 1)]
+    one = inputs.rescore_work(RescoreRequest.model_validate({"utterances": bodies[0].utterances[:1]}), models,
+                              models.s).nbytes
+    monkeypatch.setattr(models, "s", dataclasses.replace(models.s, max_request_bytes=int(2.5 * one)))
+    works = [inputs.rescore_work(b, models, models.s) for b in bodies]
+    flights: list[int] = []  # the lattices in flight at each level of the expansion
+    fill = lattice_expand._Schedule._fill
+
+    def counted(self, step):
+        fill(self, step)
+        flights.append(len(self.active))
+
+    monkeypatch.setattr(lattice_expand._Schedule, "_fill", counted)
+    answers = {}
+    for _ in Worker(models).run_batch([Job(w.cost, w) for w in works], lambda job, res: answers.update({id(job): res})):
+        pass
+    assert len(answers) == 2 and not any(isinstance(r, BaseException) for r in answers.values()), answers
+    assert max(flights) == 2, flights  # six lattices, two at a time
 
 
 def test_work_priced_only_predicts_what_the_work_predicts(models):

@@ -91,7 +91,8 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
                                      s.max_request_seconds)
             items.append(item)
         fields.append(where)
-    work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs, sizes)
+    work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs, sizes,
+                     s.max_request_bytes)
     _check_cost(work, "utterances", s)
     return work
 

@@ -136,10 +136,11 @@ def _item(plain: Utterance, context: list[str], ids: list[str]) -> NbestItem:
 
 def make_work(models: Models, kind: Literal["rescore", "score"], items: list[NbestItem | LatticeItem],
               fields: list[str], weights: Weights, nbest: int | None = None, token_logprobs: bool = False,
-              sizes: list[TreeSize | None] | None = None) -> Work:
+              sizes: list[TreeSize | None] | None = None, max_bytes: int | None = None) -> Work:
     """A request's work with its token counts (the tokens its hypotheses have, the ones a
     prefix-sharing scorer computes), lattice arcs, and predicted seconds and bytes. `sizes`: the hypothesis
-    lists' `trie_sizes`, in order, when already worked out."""
+    lists' `trie_sizes`, in order, when already worked out; `max_bytes`: the request's byte limit, which sets how
+    many of its lattices are expanded together (default: the server's `max_request_bytes`)."""
     work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest, token_logprobs=token_logprobs)
     neural = models.neural is not None
     lattice_bytes = []
@@ -159,7 +160,8 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
             work.nbytes = max(work.nbytes, nbytes)
             work.tokens_computed += it.cost if neural else 0
     work.seconds = _lists_seconds(models, [it.seconds for it in lists]) + work.lattice_seconds
-    work.nbytes = max(work.nbytes, lattices_peak(models, lattice_bytes, models.s.max_request_bytes))
+    limit = max_bytes if max_bytes is not None else models.s.max_request_bytes
+    work.nbytes = max(work.nbytes, lattices_peak(models, lattice_bytes, limit))
     return work
 
 

@@ -298,7 +298,8 @@ class _LatticeGroup:
         models = self.worker.models
         lattices = [self.members[i][2].lattice for i in indices]
         rescorer = models.rescorer(self.members[0][0].payload.weights, sum(x.num_arcs for x in lattices))
-        # as many at a time as the predicted peaks of the largest of them allow together (`make_work`'s figure)
+        # as many at a time as the predicted peaks of the largest of them allow within max_request_bytes together
+        # (a group holds lattices of every request under these weights; `make_work` plans each request alike)
         together = lattices_together(models, [self.members[i][2].nbytes for i in indices], models.s.max_request_bytes)
         t = time.perf_counter()
         for out in rescorer.expand_many(lattices, on_error=lambda k, e: self._failed(indices[k], e),

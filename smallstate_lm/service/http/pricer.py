@@ -115,10 +115,11 @@ class Pricer:
         """The refusal the server's own preparation of `raw` (a `kind` request: "rescore" or "score") would end
         in, with its deadline at `deadline` (time.perf_counter) and the long work queued ahead `backlog`
         (`Service.long_backlog`); else its prediction (`Priced`); None when it could not be priced (a body not
-        of the request's structure, every copy busy for WAIT_S, or the copy failed). `held()` is entered while a
-        copy prices it. Runs on a thread-pool thread to its end (a cancelled request's copy still comes back)."""
+        of the request's structure, every copy busy for WAIT_S or until the deadline, or the copy failed). `held()`
+        is entered while a copy prices it. Runs on a thread-pool thread to its end (a cancelled request's copy still
+        comes back)."""
         try:
-            copy = self._free.get(timeout=WAIT_S)
+            copy = self._free.get(timeout=max(0.0, min(WAIT_S, deadline - time.perf_counter())))
         except queue.Empty:
             return None
         try:
