@@ -39,7 +39,7 @@ from ..errors import ServiceError
 from ..inputs import rescore_work, score_work
 from ..model import Models
 from ..settings import Settings
-from .state import T0, EarlyChecks, Service
+from .state import EarlyChecks, Service, request_deadline
 
 log = logging.getLogger("smallstate_lm.service")
 
@@ -105,6 +105,7 @@ class Pricer:
         for c in self.copies:
             self._free.put(c)
         self._live = n
+        self._failures = threading.Lock()  # copies fail on any thread-pool thread: one count, never a lost one
 
     @property
     def alive(self) -> bool:
@@ -126,8 +127,9 @@ class Pricer:
             with held():
                 answer = copy.ask((kind, deadline - time.perf_counter(), timeout, slice_s, backlog), raw)
         except Exception as e:  # a dead or stuck copy, a broken pipe, an answer that does not unpickle
-            self._live -= 1
-            left = f"{self._live} left" if self._live else "requests are priced in the server from now on"
+            with self._failures:
+                self._live -= 1
+                left = f"{self._live} left" if self._live else "requests are priced in the server from now on"
             log.warning("a pricing process failed (%s: %s); %s", type(e).__name__, e, left)
             copy.stop()
             return None
@@ -149,7 +151,7 @@ async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Req
     pricer = svc.pricer
     if pricer is None or not pricer.alive or len(raw) < PRICE_BYTES:
         return
-    deadline = request.scope.get(T0, time.perf_counter()) + timeout
+    deadline = request_deadline(request, timeout)
     # on a CPU the model's steps and the pricing share the cores: the worker waits between two steps meanwhile
     held = functools.partial(svc.batcher.held, svc.models.device.type == "cpu")
     answer = await run_in_threadpool(pricer.price, kind, raw, deadline, timeout, svc.batcher.slice_s,

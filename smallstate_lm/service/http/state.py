@@ -174,7 +174,7 @@ class Service:
         `timeout`) or the shutdown's; a deadline passed, a client gone or a shutdown stops its work."""
         if not self.ready:
             raise self.unavailable()
-        deadline = request.scope.get(T0, time.perf_counter()) + timeout
+        deadline = request_deadline(request, timeout)
         # its class by what it may take (a lattice's upper bound), its place in the backlog by what it should take
         job = Job(work.cost, work, deadline=min(deadline, self.stop_at),
                   seconds=self.worker.expected_seconds(work.seconds, work.lattice_seconds),
@@ -231,8 +231,13 @@ class Service:
 
     def early_checks(self, request: Request, timeout: float, field: str) -> EarlyChecks:
         """The checks a large request's preparation makes as it goes, with the worker's backlog as it is now."""
-        deadline = request.scope.get(T0, time.perf_counter()) + timeout
-        return EarlyChecks(deadline, timeout, field, self.batcher.slice_s, self.long_backlog())
+        return EarlyChecks(request_deadline(request, timeout), timeout, field, self.batcher.slice_s,
+                           self.long_backlog())
+
+
+def request_deadline(request: Request, timeout: float) -> float:
+    """When a request's answer is due (time.perf_counter): `timeout` seconds after its first byte arrived."""
+    return request.scope.get(T0, time.perf_counter()) + timeout
 
 
 def behind(backlog: float | None, own: float, remaining: float, what: str) -> None:
