@@ -22,6 +22,7 @@ from .settings import Settings
 from .work import (
     LatticeItem,
     NbestItem,
+    PricedList,
     Work,
     lattice_item,
     list_floor,
@@ -54,15 +55,19 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
     if body.nbest is not None and body.nbest > s.max_nbest:
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
     weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
-    lists_floor, sizes = _check_lists_early(body, models, s, early) if early is not None else (0.0, None)
-    items: list[NbestItem | LatticeItem] = []
+    lists_floor, sizes, seqs = _check_lists_early(body, models, s, early) if early is not None else (0.0, None, None)
+    # to be priced only, lists within the count limits (all were counted) are their word sequences, as the early
+    # check split them: building their hypotheses took a 2 MB request of lists a third of its pricing
+    priced = iter(seqs) if priced_only and sizes is not None else None
+    items: list[NbestItem | PricedList | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
     lattice_s = 0.0  # and their predicted seconds: over the limit, the rest of the request need not be parsed
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
-            items.append(nbest_item(*_hypotheses(u, where, s)))  # its hypotheses built once
+            # its hypotheses built once
+            items.append(PricedList(next(priced)) if priced is not None else nbest_item(*_hypotheses(u, where, s)))
         else:
             if u.context is not None:
                 raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
@@ -98,22 +103,23 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
 
 
 def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
-                       early: Early) -> tuple[float, list[TreeSize | None] | None]:
+                       early: Early) -> tuple[float, list[TreeSize | None] | None, list[list[list[str]]]]:
     """The request's hypothesis lists predicted as `make_work` will predict them, from the request's words (any
     context first), and told to `early`; before that, list by list, a floor of that prediction that costs one
     pass over the hypotheses (no trie), told as it grows. Lists over a count limit are left to `_hypotheses`,
-    which names them. Returns the floor, and the lists' trie sizes (for `make_work`) once all were counted."""
+    which names them. Returns the floor, the lists' trie sizes (for `make_work`) once all were counted (else
+    None), and the lists' word sequences as the LMs see them (those counted)."""
     lists = []
     floor = 0.0
     for u in body.utterances:
         if u.hypotheses is None:
             continue
         if len(u.hypotheses) > s.max_hypotheses:
-            return floor, None
+            return floor, None, lists
         context = u.context.split() if u.context else []
         seqs = [h.words if h.words is not None else h.text.split() for h in u.hypotheses]
         if len(context) > s.max_words or max(map(len, seqs)) > s.max_words:
-            return floor, None
+            return floor, None, lists
         if context:
             seqs = [context + q for q in seqs]
         lists.append(seqs)
@@ -122,7 +128,7 @@ def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
     sizes = trie_sizes_of(models, lists)
     if lists:
         early.lists(lists_seconds(models, lists, sizes))
-    return floor, sizes
+    return floor, sizes, lists
 
 
 def _check_cost(work: Work, field: str, s: Settings) -> None:
@@ -203,14 +209,14 @@ def _as_int(s: str) -> int | None:
 def _check_fst_text(text: str, where: str, max_arcs: int,
                     costs: bool = True) -> tuple[list[str], FstTextColumns | None]:
     """Arc count and largest state id against the limits before the parser allocates
-    per-state arrays; returns the output labels of the arcs, and the text's columns when it has
-    the plain form that `fst_text_columns` splits (the parser then takes them)."""
+    per-state arrays; returns the distinct output labels of the arcs (in order of first appearance), and the
+    text's columns when it has the plain form that `fst_text_columns` reads (the parser then takes them)."""
     cols = fst_text_columns(text, costs)
     if cols is not None:
-        if len(cols.labels) > max_arcs:
+        if len(cols.src) > max_arcs:
             raise LimitError(f"the lattice has more than {max_arcs} arcs (max_lattice_arcs)", where, max_arcs)
         _check_max_state(cols.max_state, where, max_arcs)
-        return cols.labels, cols
+        return cols.label_names, cols
     labels: list[str] = []
     max_state = -1
     for line in text.splitlines():
@@ -224,7 +230,7 @@ def _check_fst_text(text: str, where: str, max_arcs: int,
             if s is not None and s > max_state:
                 max_state = s
     _check_max_state(max_state, where, max_arcs)
-    return labels, None
+    return list(dict.fromkeys(labels)), None
 
 
 def _check_max_state(max_state: int, where: str, max_arcs: int) -> None:
@@ -265,9 +271,8 @@ def parse_lattice(lat: LatticeIn, where: str, name: str, max_arcs: int, costs: b
     symbols = _symbol_table(lat.words, f"{where}.words") if lat.words is not None else None
     try:
         if lat.format == "openfst-text":
-            labels, cols = _check_fst_text(lat.data, data_field, max_arcs, costs)
-            if symbols is None:
-                distinct = list(dict.fromkeys(labels))  # in order: the first numeric label is named
+            distinct, cols = _check_fst_text(lat.data, data_field, max_arcs, costs)
+            if symbols is None:  # in order: the first numeric label is named
                 numeric = [lb for lb in distinct if _as_int(lb) not in (None, 0)]
                 if numeric:
                     raise ServiceError(f"arc label {numeric[0]} is a number: give the decoder's symbol table as "

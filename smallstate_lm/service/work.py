@@ -51,6 +51,18 @@ class NbestItem:
 
 
 @dataclass
+class PricedList:
+    """A hypothesis list as word sequences only (as the LMs see them: any context words first): the list of a
+    request to be priced, never run, whose hypotheses need not be built. Its estimate as `NbestItem`'s."""
+
+    seqs: list[list[str]]
+    cost: int = 0
+    depth: int = 0
+    seconds: float = 0.0
+    tree: TreeSize | None = None
+
+
+@dataclass
 class LatticeItem:
     lattice: Lattice  # prepared (see `prepared`); its name is the utterance id
     n: int  # distinct word sequences to return
@@ -69,7 +81,7 @@ class Work:
 
     kind: Literal["rescore", "score"]
     weights: Weights
-    items: list[NbestItem | LatticeItem]
+    items: list[NbestItem | PricedList | LatticeItem]
     fields: list[str]
     nbest: int | None = None  # hypotheses returned per list; None: all
     token_logprobs: bool = False
@@ -134,7 +146,7 @@ def _item(plain: Utterance, context: list[str], ids: list[str]) -> NbestItem:
     return NbestItem(scored=scored, plain=plain, ids=ids, context=len(context))
 
 
-def make_work(models: Models, kind: Literal["rescore", "score"], items: list[NbestItem | LatticeItem],
+def make_work(models: Models, kind: Literal["rescore", "score"], items: list[NbestItem | PricedList | LatticeItem],
               fields: list[str], weights: Weights, nbest: int | None = None, token_logprobs: bool = False,
               sizes: list[TreeSize | None] | None = None, max_bytes: int | None = None) -> Work:
     """A request's work with its token counts (the tokens its hypotheses have, the ones a
@@ -144,9 +156,9 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
     work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest, token_logprobs=token_logprobs)
     neural = models.neural is not None
     lattice_bytes = []
-    lists = [it for it in items if isinstance(it, NbestItem)]
+    lists = [it for it in items if not isinstance(it, LatticeItem)]
     if sizes is None:
-        sizes = trie_sizes_of(models, [[h.words for h in it.scored.hyps] for it in lists])
+        sizes = trie_sizes_of(models, [_sequences(it) for it in lists])
     sizes = dict(zip(map(id, lists), sizes, strict=True))
     for it, field in zip(items, fields):
         if isinstance(it, LatticeItem):
@@ -194,11 +206,15 @@ def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | Non
 
 
 
-def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tuple[int, int]:
+def _sequences(it: NbestItem | PricedList) -> list[list[str]]:
+    """A list's hypotheses as the LMs see them."""
+    return it.seqs if isinstance(it, PricedList) else [h.words for h in it.scored.hyps]
+
+
+def _estimate_list(models: Models, it: NbestItem | PricedList, size: TreeSize | None) -> tuple[int, int]:
     """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
     tokens and predicted peak bytes. `size`: its trie's (`trie_sizes_of`; None unless the scorer shares prefixes)."""
-    seqs = [h.words for h in it.scored.hyps]
-    tokens, it.cost, it.depth, nbytes, it.seconds = _list_estimate(models, seqs, size)
+    tokens, it.cost, it.depth, nbytes, it.seconds = _list_estimate(models, _sequences(it), size)
     it.tree = size
     return tokens, nbytes
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import multiprocessing
 import os
@@ -191,6 +192,10 @@ def _serve(conn, server_ends: list, models: Models, settings: Settings) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C or a SIGTERM is the server's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the server's event loop's: not this process's to write to
+    # A body's objects are built in one go and freed in one go: collections while it is priced walk its growing
+    # objects again and again (a 2 MB list request's pricing went from ~70 to ~100 ms at the median, 170 ms at the
+    # tail). One collection after each answer frees the cycles that an error's traceback makes.
+    gc.disable()
     while True:
         try:
             kind, remaining, timeout, slice_s, backlog = conn.recv()
@@ -205,6 +210,8 @@ def _serve(conn, server_ends: list, models: Models, settings: Settings) -> None:
             os._exit(0)
         except Exception:  # an answer that does not pickle: unpriced
             conn.send(None)
+        del raw, answer
+        gc.collect()
 
 
 def _price(kind: str, raw: bytes, models: Models, settings: Settings, early: EarlyChecks) -> Any:
