@@ -96,3 +96,47 @@ def test_trie_sizes_of_many_lists_are_each_lists_trie_size():
         for end in (None, 9):
             want = [trie_size([q + ([end] if end is not None else []) for q in lst]) for lst in lists]
             assert trie_sizes(ids, lens, which, len(lists), end) == want
+
+
+def test_random_texts_read_alike_both_ways_or_fail_alike():
+    """Texts of arcs and finals with the odd field among them (signs, underscores, huge ids, bad weights, other
+    whitespace, non-ASCII labels): the columns' lattice or error is the line-by-line reader's."""
+    rng = random.Random(17)
+    symbols = SymbolTable.from_words(["a", "b\u00e9", "\u4e2d", "x,y"])
+    odd_ids = ["+3", "-1", "1_0", "x", "99999999999999999999"]
+    odd_weights = ["inf", "nan", "1,2,3", "1,", ",2", "abc", "-inf", "1_5.5"]
+
+    def state() -> str:
+        return str(rng.randint(0, 12)) if rng.random() < 0.95 else rng.choice(odd_ids)
+
+    def weight() -> str:
+        if rng.random() < 0.95:
+            return rng.choice([repr(rng.uniform(-50, 50)), f"{rng.uniform(-5, 5)!r},{rng.uniform(0, 99)!r}", "0"])
+        return rng.choice(odd_weights)
+
+    columns = 0
+    for _ in range(1500):
+        lines = []
+        for _ in range(rng.randint(1, 8)):
+            k = rng.choice([1, 2, 4, 5, 5, 5, 4, 3])
+            fields = ([state(), state(), rng.choice(["a", "b\u00e9", "\u4e2d", "x,y", "0", "zz"])] * 2)[:4]
+            parts = [state(), weight()][:k] if k <= 2 else (fields + [weight()])[:k]
+            lines.append(rng.choice([" ", "\t", "  "]).join(parts))
+        text = rng.choice(["\n", "\r\n"]).join(lines) + rng.choice(["", "\n"])
+        if rng.random() < 0.05:
+            text = text.replace(" ", rng.choice(["\u00a0", "\x0b", "\r"]), 1)
+        columns += fst_text_columns(text) is not None
+        try:
+            want = _line_by_line(text, symbols)
+        except LatticeFormatError as e:
+            with pytest.raises(LatticeFormatError) as got:
+                read_fst_text(text, symbols, name="x")
+            assert str(got.value) == str(e)
+        else:
+            _same(read_fst_text(text, symbols), want)
+    assert columns > 500  # most took the column way
+
+
+def test_a_state_id_beyond_int64_is_a_format_error():
+    with pytest.raises(LatticeFormatError, match="below 2\\*\\*63"):
+        read_fst_text("0 99999999999999999999 a a\n", SYMBOLS, name="x")

@@ -340,8 +340,13 @@ def test_work_priced_only_predicts_what_the_work_predicts(models):
                                                           "am_score": -1.0} for j in range(0, 60, 3)]})
     body = RescoreRequest.model_validate({"utterances": utterances})
     full, priced = rescore_work(body, models, models.s), rescore_work(body, models, models.s, priced_only=True)
+    told = _Told()  # with the early checks, the lists are priced from their lengths, not built (`PricedList`)
+    early = rescore_work(body, models, models.s, told, priced_only=True)
     assert priced.seconds == full.seconds and priced.lattice_seconds == full.lattice_seconds > 0
     assert priced.cost == full.cost and priced.tokens_total == full.tokens_total
+    assert (early.seconds, early.cost, early.tokens_total, early.nbytes) == (full.seconds, full.cost,
+                                                                             full.tokens_total, full.nbytes)
+    assert len(told.told) == 1 and all(type(it).__name__ == "PricedList" for it in early.items[1::2])
     for a, b in zip(priced.items, full.items, strict=True):
         if hasattr(a, "lattice"):
             assert a.shape.total_steps == b.shape.total_steps and a.lattice.num_arcs == b.lattice.num_arcs

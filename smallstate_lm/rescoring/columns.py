@@ -68,7 +68,7 @@ def split_tokens(text: str) -> Tokens | None:
     return Tokens(data, start, end, line, fields[line], column)
 
 
-def _gather(data: np.ndarray, start: np.ndarray, end: np.ndarray,
+def fixed_width(data: np.ndarray, start: np.ndarray, end: np.ndarray,
             multiple: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
     """The spans as rows of a fixed-width uint8 array, zero-padded to a `multiple` of bytes, and the mask of
     their bytes; None when the copy would be too large."""
@@ -105,7 +105,7 @@ def floats(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """The spans as `float()` reads them (ValueError for a span it refuses, an empty one included)."""
     if len(start) and int((end - start).min()) < 1:
         raise ValueError("an empty number")
-    got = _gather(data, start, end)
+    got = fixed_width(data, start, end)
     if got is None:
         raise ValueError("a number too long to read a column at a time")
     chars, _ = got
@@ -114,34 +114,50 @@ def floats(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     return chars.view(f"S{chars.shape[1]}").ravel().astype(np.float64)
 
 
-def strings(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, list[str]] | None:
-    """The spans (UTF-8, without NUL bytes) as an index into their distinct strings, listed in order of first
-    appearance; None when a fixed-width copy of them would be too large. Spans are told apart by a hash of their
-    bytes, and every span is then compared with the first of its hash (the bytes themselves are sorted in the
-    rare case that two differ)."""
+def strings(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """The spans (UTF-8) as an index into their distinct strings, listed in order of first appearance. A span is
+    read as 8-byte words (its bytes exactly, with its length); spans are grouped by a hash of those, and each
+    span's words are then compared with its group's first (exact: a hash shared by two strings sorts them apart by
+    their words)."""
     if len(start) == 0:
         return np.zeros(0, dtype=np.int64), []
-    got = _gather(data, start, end, multiple=8)
-    if got is None:
-        return None
-    chars, _ = got
     lens = end - start
+    words = byte_words(data, start, lens)
     key = lens.astype(np.uint64)
-    for part in chars.view(np.uint64).T:  # 8 bytes at a time
-        key = (key ^ part) * np.uint64(0x9E3779B97F4A7C15)
+    for w in words:
+        key = (key ^ w) * np.uint64(0x9E3779B97F4A7C15)
         key ^= key >> np.uint64(29)
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    inverse = inverse.ravel()
-    if not ((chars == chars[first[inverse]]).all() and (lens == lens[first[inverse]]).all()):
-        keys = chars.view(f"S{chars.shape[1]}").ravel() if chars.shape[1] else np.zeros(len(start), "S1")
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        inverse = inverse.ravel()
+    first, inverse = group(key, [lens.astype(np.uint64), *words])
     order = np.argsort(first)
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     names = [data[a:b].tobytes().decode("utf-8") for a, b in zip(start[first[order]].tolist(),
                                                                    end[first[order]].tolist())]
     return rank[inverse], names
+
+
+def group(key: np.ndarray, columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows told apart by their `columns` (uint64 each), grouped by `key`, a hash of them: each group's first row
+    and each row's group. Exact: where two rows share a key but differ, they are grouped by the columns
+    themselves."""
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    inverse = inverse.ravel()
+    if not all((c == c[first[inverse]]).all() for c in columns):
+        _, first, inverse = np.unique(np.stack(columns, axis=1), axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.ravel()
+    return first, inverse
+
+
+_LOW_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
+
+
+def byte_words(data: np.ndarray, start: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+    """Each span's bytes as little-endian 8-byte words, zero past its end: one array per 8 bytes of the longest."""
+    n = -(-int(lens.max(initial=0)) // 8)
+    padded = np.concatenate([data, np.zeros(8 * n + 8, dtype=np.uint8)])
+    # every offset's next 8 bytes as one number: a view with a stride of one byte
+    at = np.ndarray(shape=(len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
+    return [at[start + 8 * k] & _LOW_BYTES[np.clip(lens - 8 * k, 0, 8)] for k in range(n)]
 
 
 def split_at(data: np.ndarray, start: np.ndarray, end: np.ndarray, sep: str) -> tuple[np.ndarray, np.ndarray]:

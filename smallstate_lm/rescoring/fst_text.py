@@ -166,8 +166,8 @@ def fst_text_columns(text: str, costs: bool = True) -> FstTextColumns | None:
     src, dst = ints(*col(arc & (t.column == 0))), ints(*col(arc & (t.column == 1)))
     final_state, first = ints(*col(~arc & (t.column == 0))), ints(d, st[:1], en[:1])
     labels = strings(*col(arc & (t.column == 3)))
-    if src is None or dst is None or final_state is None or first is None or labels is None:
-        return None  # not plain numbers (the line-by-line reader reads or refuses them), or labels too long
+    if src is None or dst is None or final_state is None or first is None:
+        return None  # not plain numbers: the line-by-line reader reads or refuses them
     graph, acoustic = np.zeros(len(src)), np.zeros(len(src))
     final_graph, final_acoustic = np.zeros(len(final_state)), np.zeros(len(final_state))
     if costs:  # lines without a weight keep 0

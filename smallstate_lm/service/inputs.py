@@ -55,10 +55,10 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
     if body.nbest is not None and body.nbest > s.max_nbest:
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
     weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
-    lists_floor, sizes, seqs = _check_lists_early(body, models, s, early) if early is not None else (0.0, None, None)
-    # to be priced only, lists within the count limits (all were counted) are their word sequences, as the early
-    # check split them: building their hypotheses took a 2 MB request of lists a third of its pricing
-    priced = iter(seqs) if priced_only and sizes is not None else None
+    lists_floor, sizes, lens = _check_lists_early(body, models, s, early) if early is not None else (0.0, None, None)
+    # to be priced only, lists within the count limits (all were counted) are their hypotheses' lengths: building
+    # their hypotheses took a 2 MB request of lists a third of its pricing
+    priced = iter(lens) if priced_only and sizes is not None else None
     items: list[NbestItem | PricedList | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
@@ -103,32 +103,34 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
 
 
 def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
-                       early: Early) -> tuple[float, list[TreeSize | None] | None, list[list[list[str]]]]:
+                       early: Early) -> tuple[float, list[TreeSize | None] | None, list[list[int]]]:
     """The request's hypothesis lists predicted as `make_work` will predict them, from the request's words (any
     context first), and told to `early`; before that, list by list, a floor of that prediction that costs one
     pass over the hypotheses (no trie), told as it grows. Lists over a count limit are left to `_hypotheses`,
     which names them. Returns the floor, the lists' trie sizes (for `make_work`) once all were counted (else
-    None), and the lists' word sequences as the LMs see them (those counted)."""
-    lists = []
+    None), and the lengths of the lists' hypotheses as the LMs see them (those counted)."""
+    lens_of: list[list[int]] = []
+    seqs_of: list[list[list[str]]] = []
     floor = 0.0
     for u in body.utterances:
         if u.hypotheses is None:
             continue
         if len(u.hypotheses) > s.max_hypotheses:
-            return floor, None, lists
+            return floor, None, lens_of
         context = u.context.split() if u.context else []
         seqs = [h.words if h.words is not None else h.text.split() for h in u.hypotheses]
         if len(context) > s.max_words or max(map(len, seqs)) > s.max_words:
-            return floor, None, lists
+            return floor, None, lens_of
         if context:
             seqs = [context + q for q in seqs]
-        lists.append(seqs)
-        floor += list_floor(models, seqs)
+        seqs_of.append(seqs)
+        lens_of.append(list(map(len, seqs)))
+        floor += list_floor(models, lens_of[-1])
         early.so_far(floor)
-    sizes = trie_sizes_of(models, lists)
-    if lists:
-        early.lists(lists_seconds(models, lists, sizes))
-    return floor, sizes, lists
+    sizes = trie_sizes_of(models, seqs_of)
+    if lens_of:
+        early.lists(lists_seconds(models, lens_of, sizes, seqs_of))
+    return floor, sizes, lens_of
 
 
 def _check_cost(work: Work, field: str, s: Settings) -> None:

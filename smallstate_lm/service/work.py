@@ -52,10 +52,11 @@ class NbestItem:
 
 @dataclass
 class PricedList:
-    """A hypothesis list as word sequences only (as the LMs see them: any context words first): the list of a
-    request to be priced, never run, whose hypotheses need not be built. Its estimate as `NbestItem`'s."""
+    """A hypothesis list as the lengths of its hypotheses only (as the LMs see them: any context words first),
+    given with its trie's size: the list of a request to be priced, never run, whose hypotheses need not be
+    built. Its estimate as `NbestItem`'s."""
 
-    seqs: list[list[str]]
+    lens: list[int]
     cost: int = 0
     depth: int = 0
     seconds: float = 0.0
@@ -158,7 +159,7 @@ def make_work(models: Models, kind: Literal["rescore", "score"], items: list[Nbe
     lattice_bytes = []
     lists = [it for it in items if not isinstance(it, LatticeItem)]
     if sizes is None:
-        sizes = trie_sizes_of(models, [_sequences(it) for it in lists])
+        sizes = trie_sizes_of(models, [[h.words for h in it.scored.hyps] for it in lists])
     sizes = dict(zip(map(id, lists), sizes, strict=True))
     for it, field in zip(items, fields):
         if isinstance(it, LatticeItem):
@@ -206,25 +207,25 @@ def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | Non
 
 
 
-def _sequences(it: NbestItem | PricedList) -> list[list[str]]:
-    """A list's hypotheses as the LMs see them."""
-    return it.seqs if isinstance(it, PricedList) else [h.words for h in it.scored.hyps]
-
-
 def _estimate_list(models: Models, it: NbestItem | PricedList, size: TreeSize | None) -> tuple[int, int]:
     """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
     tokens and predicted peak bytes. `size`: its trie's (`trie_sizes_of`; None unless the scorer shares prefixes)."""
-    tokens, it.cost, it.depth, nbytes, it.seconds = _list_estimate(models, _sequences(it), size)
+    if isinstance(it, PricedList):
+        est = _list_estimate(models, it.lens, size)
+    else:
+        seqs = [h.words for h in it.scored.hyps]
+        est = _list_estimate(models, list(map(len, seqs)), size, seqs)
+    tokens, it.cost, it.depth, nbytes, it.seconds = est
     it.tree = size
     return tokens, nbytes
 
 
-def _list_estimate(models: Models, seqs: list[list[str]], size: TreeSize | None,
+def _list_estimate(models: Models, lens: list[int], size: TreeSize | None, seqs: list[list[str]] | None = None,
                    nbytes: bool = True) -> tuple[int, int, int, int, float]:
     """(tokens, neural LM tokens computed, depth, peak bytes, predicted seconds) of a list of word sequences as
-    the LMs see them, before any work (no model call); peak bytes 0 unless `nbytes` (a tree plan's bytes take
-    longer to work out than its seconds)."""
-    lens = list(map(len, seqs))
+    the LMs see them, of lengths `lens`, before any work (no model call); peak bytes 0 unless `nbytes` (a tree
+    plan's bytes take longer to work out than its seconds). The sequences themselves (`seqs`) are needed only
+    without a `size` (a scorer that does not share prefixes estimates its own cost)."""
     tokens = sum(lens) + len(lens)
     cost, depth, peak = tokens, max(lens) + 1, 0
     neural = models.neural
@@ -252,39 +253,51 @@ def _share(models: Models, seconds: float) -> float:
     return seconds - (models.cost.call_s if seconds <= models.step_s else 0.0)
 
 
-def lists_seconds(models: Models, lists: list[list[list[str]]], sizes: list[TreeSize | None]) -> float:
-    """What `make_work` will predict for hypothesis lists given as word sequences (as the LMs see them: any
-    context words first) and their `trie_sizes_of`, without building them: a request's cheapest prediction, for
-    refusing it early."""
-    return _lists_seconds(models, [_list_estimate(models, seqs, size, nbytes=False)[4]
-                                   for seqs, size in zip(lists, sizes)])
+def lists_seconds(models: Models, lens: list[list[int]], sizes: list[TreeSize | None],
+                  lists: list[list[list[str]]] | None = None) -> float:
+    """What `make_work` will predict for hypothesis lists given as their hypotheses' lengths (as the LMs see them:
+    any context words first) and their `trie_sizes_of`, without building them: a request's cheapest prediction, for
+    refusing it early. `lists`: the word sequences themselves, needed where a size is None."""
+    seqs = lists if lists is not None else [None] * len(lens)
+    return _lists_seconds(models, [_list_estimate(models, n, size, q, nbytes=False)[4]
+                                   for n, size, q in zip(lens, sizes, seqs, strict=True)])
 
 
-def list_floor(models: Models, seqs: list[list[str]]) -> float:
-    """A floor under the share of a request's predicted seconds (`make_work`'s) that the hypothesis list `seqs`
-    (word sequences as the LMs see them) adds, from its tokens and its longest sequence alone: one pass over
-    the list, no trie. A request's lists are predicted to take at least the sum of their floors."""
-    if not seqs:
+def list_floor(models: Models, lens: list[int]) -> float:
+    """A floor under the share of a request's predicted seconds (`make_work`'s) that a hypothesis list adds, from
+    the lengths of its word sequences (as the LMs see them) alone: no trie. A request's lists are predicted to take
+    at least the sum of their floors."""
+    if not lens:
         return 0.0
-    tokens = sum(map(len, seqs)) + len(seqs)
-    depth = max(map(len, seqs)) + 1
+    tokens = sum(lens) + len(lens)
+    depth = max(lens) + 1
     neural = models.neural is not None
     # a trie holds the longest sequence's path at least; a scorer without prefix sharing computes more nodes
     seconds = models.cost.nbest_seconds(depth - 1, depth, tokens, neural, models.ngram is not None, models.step_s)
     return _share(models, seconds) if neural else seconds  # monotone: a floor stays a floor
 
 
+def shares_prefixes(models: Models) -> bool:
+    """Whether the neural scorer scores a list as one prefix trie (its cost is the trie's size)."""
+    return models.neural is not None and models.neural.use_tree and models.neural.share_prefixes
+
+
 def trie_sizes_of(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
     """The size of the prefix trie the scorer builds over each list of word sequences (all None unless the
     scorer shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""
-    neural = models.neural
-    if neural is None or not (neural.use_tree and neural.share_prefixes) or not lists:
+    if not shares_prefixes(models) or not lists:
         return [None] * len(lists)
     seqs = list(itertools.chain.from_iterable(lists))
     lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter(neural.vocab.ids(itertools.chain.from_iterable(seqs)), dtype=np.int64, count=int(lens.sum()))
-    which = np.repeat(np.arange(len(lists)), list(map(len, lists)))
-    return trie_sizes(flat, lens, which, len(lists), end=EOS_ID)
+    ids = models.neural.vocab.ids(itertools.chain.from_iterable(seqs))
+    return list_trie_sizes(np.fromiter(ids, dtype=np.int64, count=int(lens.sum())), lens, list(map(len, lists)))
+
+
+def list_trie_sizes(ids: np.ndarray, lens: np.ndarray, hyps: list[int]) -> list[TreeSize]:
+    """`trie_sizes_of` from the lists' token ids one hypothesis after another (`ids`), the hypotheses' lengths
+    (`lens`) and each list's number of hypotheses (`hyps`)."""
+    which = np.repeat(np.arange(len(hyps)), hyps)
+    return trie_sizes(ids, lens, which, len(hyps), end=EOS_ID)
 
 
 def _tree_bytes(models: Models, size: TreeSize) -> int:
