@@ -26,13 +26,12 @@ _MAX_GATHER = 64 << 20  # bytes of a column's fixed-width copy: beyond, the line
 
 @dataclass
 class Tokens:
-    """The tokens of a text, in order: byte spans of `data` (its UTF-8 form), the line of each (counting the
-    non-blank lines only), how many tokens that line has, and the token's position on it."""
+    """The tokens of a text, in order: byte spans of `data` (its UTF-8 form), how many tokens the (non-blank) line
+    of each has, and the token's position on it."""
 
     data: np.ndarray  # uint8
     start: np.ndarray
     end: np.ndarray  # exclusive
-    line: np.ndarray
     fields: np.ndarray
     column: np.ndarray
 
@@ -48,7 +47,7 @@ def split_tokens(text: str) -> Tokens | None:
     if ((data < 32) & (data != 9) & (data != 10) & (data != 13)).any():
         return None  # control characters: some are whitespace to str.split, NUL would not survive `strings`
     cr = np.flatnonzero(data == 13)
-    if len(cr) and (cr[-1] + 1 == len(data) or (data[cr + 1 if cr[-1] + 1 < len(data) else cr] != 10).any()):
+    if len(cr) and (cr[-1] + 1 == len(data) or (data[cr + 1] != 10).any()):
         return None  # a CR not followed by LF breaks a line for str.splitlines
     if (data >= 128).any() and _NON_ASCII_SPACE.search(text):
         return None
@@ -65,23 +64,20 @@ def split_tokens(text: str) -> Tokens | None:
     fields = np.diff(begins, append=len(start))
     line = np.cumsum(begins_line) - 1
     column = np.arange(len(start)) - begins[line]
-    return Tokens(data, start, end, line, fields[line], column)
+    return Tokens(data, start, end, fields[line], column)
 
 
-def fixed_width(data: np.ndarray, start: np.ndarray, end: np.ndarray,
-            multiple: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
-    """The spans as rows of a fixed-width uint8 array, zero-padded to a `multiple` of bytes, and the mask of
-    their bytes; None when the copy would be too large."""
+def _fixed_width(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
+    """The spans as rows of a fixed-width uint8 array, zero-padded; None when the copy would be too large."""
     lens = end - start
-    width = -(-int(lens.max(initial=0)) // multiple) * multiple
+    width = int(lens.max(initial=0))
     if len(start) * width > _MAX_GATHER:
         return None
-    mask = np.arange(width) < lens[:, None]
     if width == 0:
-        return np.zeros((len(start), 0), dtype=np.uint8), mask
+        return np.zeros((len(start), 0), dtype=np.uint8)
     rows = sliding_window_view(np.concatenate([data, np.zeros(width, dtype=np.uint8)]), width)[start]
-    rows[~mask] = 0
-    return rows, mask
+    rows[np.arange(width) >= lens[:, None]] = 0
+    return rows
 
 
 def ints(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
@@ -105,10 +101,9 @@ def floats(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """The spans as `float()` reads them (ValueError for a span it refuses, an empty one included)."""
     if len(start) and int((end - start).min()) < 1:
         raise ValueError("an empty number")
-    got = fixed_width(data, start, end)
-    if got is None:
+    chars = _fixed_width(data, start, end)
+    if chars is None:
         raise ValueError("a number too long to read a column at a time")
-    chars, _ = got
     if chars.shape[1] == 0:
         return np.zeros(len(start))
     return chars.view(f"S{chars.shape[1]}").ravel().astype(np.float64)

@@ -156,23 +156,24 @@ def fst_text_columns(text: str, costs: bool = True) -> FstTextColumns | None:
     t = split_tokens(text)
     if t is None or len(t.start) == 0 or not np.isin(t.fields[t.column == 0], (1, 2, 4, 5)).all():
         return None
-    arc = t.fields >= 4
+    arc, first_field = t.fields >= 4, t.column == 0
+    arc_rows, final_rows = arc & first_field, ~arc & first_field
     d, st, en = t.data, t.start, t.end
 
     def col(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         at = np.flatnonzero(mask)
         return d, st[at], en[at]
 
-    src, dst = ints(*col(arc & (t.column == 0))), ints(*col(arc & (t.column == 1)))
-    final_state, first = ints(*col(~arc & (t.column == 0))), ints(d, st[:1], en[:1])
-    labels = strings(*col(arc & (t.column == 3)))
+    src, dst = ints(*col(arc_rows)), ints(*col(arc & (t.column == 1)))
+    final_state, first = ints(*col(final_rows)), ints(d, st[:1], en[:1])
     if src is None or dst is None or final_state is None or first is None:
         return None  # not plain numbers: the line-by-line reader reads or refuses them
+    labels = strings(*col(arc & (t.column == 3)))
     graph, acoustic = np.zeros(len(src)), np.zeros(len(src))
     final_graph, final_acoustic = np.zeros(len(final_state)), np.zeros(len(final_state))
     if costs:  # lines without a weight keep 0
-        weighted = t.fields[arc & (t.column == 0)] == 5
-        final_weighted = t.fields[~arc & (t.column == 0)] == 2
+        weighted = t.fields[arc_rows] == 5
+        final_weighted = t.fields[final_rows] == 2
         try:
             graph[weighted], acoustic[weighted] = _weights(*col(arc & (t.column == 4)))
             final_graph[final_weighted], final_acoustic[final_weighted] = _weights(*col(~arc & (t.column == 1)))

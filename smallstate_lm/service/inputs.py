@@ -129,7 +129,7 @@ def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
         early.so_far(floor)
     sizes = trie_sizes_of(models, seqs_of)
     if lens_of:
-        early.lists(lists_seconds(models, lens_of, sizes, seqs_of))
+        early.lists(lists_seconds(models, seqs_of, lens_of, sizes))
     return floor, sizes, lens_of
 
 

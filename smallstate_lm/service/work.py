@@ -253,14 +253,13 @@ def _share(models: Models, seconds: float) -> float:
     return seconds - (models.cost.call_s if seconds <= models.step_s else 0.0)
 
 
-def lists_seconds(models: Models, lens: list[list[int]], sizes: list[TreeSize | None],
-                  lists: list[list[list[str]]] | None = None) -> float:
-    """What `make_work` will predict for hypothesis lists given as their hypotheses' lengths (as the LMs see them:
-    any context words first) and their `trie_sizes_of`, without building them: a request's cheapest prediction, for
-    refusing it early. `lists`: the word sequences themselves, needed where a size is None."""
-    seqs = lists if lists is not None else [None] * len(lens)
-    return _lists_seconds(models, [_list_estimate(models, n, size, q, nbytes=False)[4]
-                                   for n, size, q in zip(lens, sizes, seqs, strict=True)])
+def lists_seconds(models: Models, lists: list[list[list[str]]], lens: list[list[int]],
+                  sizes: list[TreeSize | None]) -> float:
+    """What `make_work` will predict for hypothesis lists given as word sequences (as the LMs see them: any
+    context words first), their lengths and their `trie_sizes_of`, without building them: a request's cheapest
+    prediction, for refusing it early."""
+    return _lists_seconds(models, [_list_estimate(models, n, size, seqs, nbytes=False)[4]
+                                   for seqs, n, size in zip(lists, lens, sizes, strict=True)])
 
 
 def list_floor(models: Models, lens: list[int]) -> float:
@@ -277,27 +276,17 @@ def list_floor(models: Models, lens: list[int]) -> float:
     return _share(models, seconds) if neural else seconds  # monotone: a floor stays a floor
 
 
-def shares_prefixes(models: Models) -> bool:
-    """Whether the neural scorer scores a list as one prefix trie (its cost is the trie's size)."""
-    return models.neural is not None and models.neural.use_tree and models.neural.share_prefixes
-
-
 def trie_sizes_of(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
     """The size of the prefix trie the scorer builds over each list of word sequences (all None unless the
     scorer shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""
-    if not shares_prefixes(models) or not lists:
+    neural = models.neural
+    if neural is None or not (neural.use_tree and neural.share_prefixes) or not lists:
         return [None] * len(lists)
     seqs = list(itertools.chain.from_iterable(lists))
     lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    ids = models.neural.vocab.ids(itertools.chain.from_iterable(seqs))
-    return list_trie_sizes(np.fromiter(ids, dtype=np.int64, count=int(lens.sum())), lens, list(map(len, lists)))
-
-
-def list_trie_sizes(ids: np.ndarray, lens: np.ndarray, hyps: list[int]) -> list[TreeSize]:
-    """`trie_sizes_of` from the lists' token ids one hypothesis after another (`ids`), the hypotheses' lengths
-    (`lens`) and each list's number of hypotheses (`hyps`)."""
-    which = np.repeat(np.arange(len(hyps)), hyps)
-    return trie_sizes(ids, lens, which, len(hyps), end=EOS_ID)
+    flat = np.fromiter(neural.vocab.ids(itertools.chain.from_iterable(seqs)), dtype=np.int64, count=int(lens.sum()))
+    which = np.repeat(np.arange(len(lists)), list(map(len, lists)))
+    return trie_sizes(flat, lens, which, len(lists), end=EOS_ID)
 
 
 def _tree_bytes(models: Models, size: TreeSize) -> int:
