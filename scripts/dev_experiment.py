@@ -99,15 +99,14 @@ def first_pass_scale(expanded, refs, am_scale: float) -> float:
 
 
 def run_decodes(tune_half, test_half, refs, tuned: Weights, tuned_errors: int, grid, acc: dict) -> None:
-    """Viterbi and both MBR decodes with their scales (and MBR's word penalty) chosen on `tune_half`
-    (`choose_decode`), then each, the decode `tune --decode viterbi,mbr,nbest-mbr` picks, and the first pass applied to
+    """Viterbi and MBR with their scales (and MBR's word penalty) chosen on `tune_half`
+    (`choose_decode`), then both, the decode `tune --decode viterbi,mbr` picks, and the first pass applied to
     `test_half`: errors and (words, confidences) per utterance added to `acc`."""
-    vit = choose_decode(tune_half, refs, tuned, tuned_errors, ("viterbi",))
+    vit = choose_decode(tune_half, refs, tuned, tuned_errors, ("viterbi",)).weights
     mbr = choose_decode(tune_half, refs, tuned, tuned_errors, ("mbr",), grid)
-    nbm = choose_decode(tune_half, refs, tuned, tuned_errors, ("nbest-mbr",), grid)
-    auto = min((vit, mbr, nbm), key=lambda c: c.errors).weights  # as choose_decode over all three picks
+    auto = mbr.weights if mbr.errors < tuned_errors else vit
     fp_scale = first_pass_scale(tune_half, refs, tuned.am_scale)
-    for name, w in (("viterbi", vit.weights), ("mbr", mbr.weights), ("nbest-mbr", nbm.weights), ("auto", auto)):
+    for name, w in (("viterbi", vit), ("mbr", mbr.weights), ("auto", auto)):
         acc.setdefault(name + " weights", []).append(w)
         for e in test_half:
             d = decode_lattice(e, w)
@@ -120,7 +119,7 @@ def run_decodes(tune_half, test_half, refs, tuned: Weights, tuned_errors: int, g
 def decode_summary(acc: dict, refs) -> dict:
     """Per decode of `acc`: WER % and the confidence report over every test half."""
     out = {}
-    for name in ("first pass", "viterbi", "mbr", "nbest-mbr", "auto"):
+    for name in ("first pass", "viterbi", "mbr", "auto"):
         hyps = acc[name]
         errors = sum(align_counts(refs[u], words).errors for u, (words, _) in hyps.items())
         ref_words = sum(len(refs[u]) for u in hyps)
@@ -302,16 +301,12 @@ def mbr_section(args, mbr_rows: list[tuple[str, dict]], write_plot: bool) -> str
         d = row["decodes"]
         acc = row["decode weights"]
         table.append(f"| {voice} | {row['system']} | {row['order']} | {d['first pass'][0]:.2f} | "
-                     f"{d['viterbi'][0]:.2f} | {d['mbr'][0]:.2f} | {d['nbest-mbr'][0]:.2f} | {d['auto'][0]:.2f} | "
-                     + " | ".join(f"{d[k][1].nce:.3f} / {d[k][1].ece:.3f}"
-                                  for k in ("first pass", "viterbi", "mbr", "nbest-mbr"))
+                     f"{d['viterbi'][0]:.2f} | {d['mbr'][0]:.2f} | {d['auto'][0]:.2f} | "
+                     + " | ".join(f"{d[k][1].nce:.3f} / {d[k][1].ece:.3f}" for k in ("first pass", "viterbi", "mbr"))
                      + " |")
         ws = "; ".join(f"viterbi posterior_scale={v.posterior_scale:g}; mbr mbr_scale={m.mbr_scale:g} "
-                       f"word_penalty={m.word_penalty:g} posterior_scale={m.posterior_scale:g}; nbest-mbr "
-                       f"mbr_scale={b.mbr_scale:g} word_penalty={b.word_penalty:g} "
-                       f"posterior_scale={b.posterior_scale:g}; tune picks {a.decode}"
-                       for v, m, b, a in zip(acc["viterbi weights"], acc["mbr weights"], acc["nbest-mbr weights"],
-                                             acc["auto weights"]))
+                       f"word_penalty={m.word_penalty:g} posterior_scale={m.posterior_scale:g}; tune picks {a.decode}"
+                       for v, m, a in zip(acc["viterbi weights"], acc["mbr weights"], acc["auto weights"]))
         fp = ", ".join(f"{s:g}" for s in acc["first pass scale"])
         notes.append(f"- {voice}, {row['system']}: folds {ws}; first-pass posterior scale {fp}")
         if row["system"] == "neural + n-gram":
@@ -332,16 +327,13 @@ def mbr_section(args, mbr_rows: list[tuple[str, dict]], write_plot: bool) -> str
         f"(`mbr_scale`, from {', '.join(f'{s:g}' for s in MBR_GRID)}) with the fewest errors, its word "
         "penalty searched once more, then the scale of its confidences by NCE (`tune --decode`); the first "
         "pass's confidences (the decoder's lattice alone, graph + acoustic/9.5) get their own scale by NCE "
-        "too. n-best MBR (`--decode nbest-mbr`): of the rescored lattice's 50 best paths, the one with the "
-        "fewest expected word errors against them under softmax(mbr_scale * total), its scale and word penalty "
-        "chosen the same way. \"tune picks\" is `tune --decode viterbi,mbr,nbest-mbr`: the decode that made the "
-        "fewest errors on the tuning half (Viterbi on a tie). A word is correct when the WER alignment matches it; NCE "
+        "too. \"tune picks\" is `tune --decode viterbi,mbr`: MBR where it made "
+        "fewer errors than Viterbi on the tuning half. A word is correct when the WER alignment matches it; NCE "
         "clips confidences to [1e-4, 1 - 1e-4]; ECE over 10 equal bins.",
         "",
-        "| voice | system | histories | first-pass WER % | Viterbi WER % | consensus MBR WER % | n-best MBR WER % | "
-        "tune picks: WER % | NCE / ECE first pass | NCE / ECE Viterbi | NCE / ECE consensus MBR | "
-        "NCE / ECE n-best MBR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| voice | system | histories | first-pass WER % | Viterbi WER % | MBR WER % | tune picks: WER % | "
+        "NCE / ECE first pass | NCE / ECE Viterbi | NCE / ECE MBR |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *table,
         "",
         *notes,

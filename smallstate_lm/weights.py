@@ -22,9 +22,8 @@ import numpy as np
 from .errors import ConfigError, VocabularyError
 from .files import atomic_write_text
 
-# how a lattice's transcript is chosen: its best path, the consensus (minimum Bayes risk over the whole lattice,
-# approximate), or the one of its n best paths with the fewest expected word errors against them (exact over them)
-DECODES = ("viterbi", "mbr", "nbest-mbr")
+# how a lattice's transcript is chosen: its best path, or the consensus (minimum Bayes risk) decode
+DECODES = ("viterbi", "mbr")
 _TEXT_FIELDS = ("interpolation", "decode")
 
 
@@ -38,12 +37,10 @@ class Weights:
     mbr_scale > 0 picks hypotheses of an n-best list by minimum Bayes risk instead of the
     highest total: the posterior over the list is softmax(mbr_scale * total) and the
     hypothesis with the fewest expected word errors against it wins (0 = highest total).
-    Lattices are decoded by their best path (decode="viterbi"), by consensus (decode="mbr": the word
+    Lattices are decoded by their best path (decode="viterbi") or by consensus (decode="mbr": the word
     sequence with the fewest expected word errors, rescoring/consensus.py, under the posterior
-    exp(mbr_scale * total), or exp(posterior_scale * total) when mbr_scale is 0), or by MBR over their
-    n best paths (decode="nbest-mbr": the path with the fewest expected word errors against the others under
-    that posterior, as mbr_scale picks from an n-best list); their word confidences are posteriors under
-    exp(posterior_scale * total).
+    exp(mbr_scale * total), or exp(posterior_scale * total) when mbr_scale is 0); their word confidences
+    are posteriors under exp(posterior_scale * total).
     Defaults suit a decoder whose am is a raw acoustic log-likelihood (Kaldi-style
     acoustic scale 1/10) and whose graph score is a natural-log LM probability;
     graph_scale=0 replaces the first-pass LM instead of adding to it.
@@ -59,7 +56,7 @@ class Weights:
     lam: float = 0.5
     mbr_scale: float = 0.0
     posterior_scale: float = 0.7  # the confidences of the dev lattices explain the most near it (docs/results.md)
-    decode: Literal["viterbi", "mbr", "nbest-mbr"] = "viterbi"
+    decode: Literal["viterbi", "mbr"] = "viterbi"
 
     def __post_init__(self):
         if self.interpolation not in ("loglinear", "linear"):

@@ -83,8 +83,6 @@ def test_the_requests_clients_send_take_the_fast_way():
     assert _check(schemas.RescoreRequest, json.dumps(slf).encode())
     unicode = {"utterances": [{"id": "ü", "hypotheses": [{"words": ["日本", "naïve", "a\x00b"], "am_score": 0}]}]}
     assert _check(schemas.RescoreRequest, json.dumps(unicode, ensure_ascii=False).encode())
-    for d in ("viterbi", "nbest-mbr"):  # every decode
-        assert _check(schemas.RescoreRequest, json.dumps(RESCORE | {"weights": {"decode": d}}).encode())
 
 
 @pytest.mark.parametrize("model,base", [(schemas.RescoreRequest, RESCORE), (schemas.ScoreRequest, SCORE)],

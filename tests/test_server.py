@@ -468,15 +468,12 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
 def test_lattice_transcripts_with_confidences_match_the_cli(server, tmp_path, tiny_lm_dir, kenlm_model):
     fsts = sorted(LAT_DIR.glob("*.lat.fst"))
     names = [p.name.split(".")[0] for p in fsts]
-    cli = {}
-    for decode in ("mbr", "nbest-mbr"):
-        proc = run_cli("rescore", *fsts, "--words", LAT_DIR / "words.txt", "--lm", tiny_lm_dir, "--ngram",
-                       kenlm_model, "-o", tmp_path / decode, "--quiet", "--device", "cpu", "--decode", decode)
-        assert proc.returncode == 0, proc.stderr
-        lines = (tmp_path / decode / "nbest.jsonl").read_text().splitlines()
-        cli[decode] = {r["utt"]: r for r in map(json.loads, lines)}
+    proc = run_cli("rescore", *fsts, "--words", LAT_DIR / "words.txt", "--lm", tiny_lm_dir, "--ngram", kenlm_model,
+                   "-o", tmp_path / "mbr", "--quiet", "--device", "cpu", "--decode", "mbr")
+    assert proc.returncode == 0, proc.stderr
+    cli = {r["utt"]: r for r in map(json.loads, (tmp_path / "mbr" / "nbest.jsonl").read_text().splitlines())}
     lattices = [fst_utterance(p, n) for p, n in zip(fsts, names)]
-    for decode in ("viterbi", "mbr", "nbest-mbr"):
+    for decode in ("viterbi", "mbr"):
         body = {"utterances": lattices + nbest_request(read_nbest(TEST_DATA / "nbest.tsv")[:1])["utterances"],
                 "weights": {"decode": decode}}
         r = post(server, "/rescore", body)
@@ -493,7 +490,7 @@ def test_lattice_transcripts_with_confidences_match_the_cli(server, tmp_path, ti
             t = u["transcript"]
             assert t["decode"] == decode and len(t["confidences"]) == len(t["words"])
             assert all(0.0 <= c <= 1.0 for c in t["confidences"])
-            want = cli["mbr" if decode == "viterbi" else decode][u["id"]]
+            want = cli[u["id"]]
             if decode == "viterbi":
                 assert t["words"] == u["best"]["words"] == want["hyps"][0]["words"]
                 assert t["confidences"] == pytest.approx(want["hyps"][0]["confidences"], abs=1e-6)
@@ -509,7 +506,7 @@ def test_lattice_transcripts_with_confidences_match_the_cli(server, tmp_path, ti
 def test_responses_are_the_schemas_response_models(server):
     """Responses are built without the pydantic models, so each must still be exactly what its documented
     model holds: it validates, and dumping the validated model (set fields only) gives the same JSON, for
-    lists with every option, lattices under each decoding and /score with and without token log-probs."""
+    lists with every option, lattices under both decodings and /score with and without token log-probs."""
     from smallstate_lm.service.schemas import RescoreResponse, ScoreResponse
 
     lists = nbest_request(read_nbest(TEST_DATA / "nbest.tsv")[:3])
@@ -519,7 +516,7 @@ def test_responses_are_the_schemas_response_models(server):
                 ("/score", ScoreResponse, {"sentences": ["the lord said", "and god"], "return_token_logprobs": True}),
                 ("/score", ScoreResponse, {"sentences": ["the lord said"]})]
     requests += [("/rescore", RescoreResponse, {"utterances": [fst_utterance(fst, "lat")], "weights": {"decode": d}})
-                 for d in ("viterbi", "mbr", "nbest-mbr")]
+                 for d in ("viterbi", "mbr")]
     for route, model, body in requests:
         r = post(server, route, body)
         assert r.status_code == 200, r.text

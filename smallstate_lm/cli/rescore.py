@@ -34,16 +34,14 @@ def rescore(
     ngram_weight: Optional[float] = typer.Option(None, "--ngram-weight", help="Override the n-gram weight."),
     word_penalty: Optional[float] = typer.Option(None, "--word-penalty", help="Override the per-word penalty."),
     mbr_scale: Optional[float] = typer.Option(None, "--mbr-scale", help="Override the MBR posterior scale "
-                                              "(n-best lists: 0 = highest total; lattices with --decode mbr or "
-                                              "nbest-mbr: 0 = --posterior-scale)."),
-    decode: Optional[str] = typer.Option(None, "--decode", help="Lattices: viterbi (the best path), mbr (the "
-                                         "consensus: fewest expected word errors, rescoring/consensus.py) or "
-                                         "nbest-mbr (of the 50 best paths, the one with the fewest expected word "
-                                         "errors against them) [default: from --weights, else viterbi]."),
+                                              "(n-best lists: 0 = highest total; lattices with --decode mbr: 0 = "
+                                              "--posterior-scale)."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="Lattices: viterbi (the best path) or mbr (the "
+                                         "consensus: fewest expected word errors, rescoring/consensus.py) "
+                                         "[default: from --weights, else viterbi]."),
     posterior_scale: Optional[float] = typer.Option(None, "--posterior-scale", help="Lattices: scale of the "
                                                     "weighted total in the posteriors behind word confidences (and "
-                                                    "--decode mbr's and nbest-mbr's, unless --mbr-scale is set) "
-                                                    "[default: from "
+                                                    "--decode mbr's, unless --mbr-scale is set) [default: from "
                                                     "--weights, else 0.7]."),
     refs: Optional[Path] = typer.Option(None, "--refs", help="Reference text `utt w1 w2 ...` for WER."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory."),

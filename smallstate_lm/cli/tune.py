@@ -52,11 +52,9 @@ def tune(
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of WER against lm_weight (needs matplotlib)."),
     mbr: bool = typer.Option(False, "--mbr", help="N-best lists: also tune mbr_scale, the posterior scale of "
                              "minimum-Bayes-risk selection (0 keeps the highest total)."),
-    decode: Optional[str] = typer.Option(None, "--decode", help="Lattices: the decodes to choose among, comma-"
-                                         "separated: viterbi, mbr (the consensus), nbest-mbr (MBR over the 50 best "
-                                         "paths), e.g. viterbi,mbr,nbest-mbr (an MBR decode kept only where it makes "
-                                         "fewer dev errors); the posterior scale is chosen with it "
-                                         "[default: viterbi]."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="Lattices: the decodes to choose among, viterbi, "
+                                         "mbr or viterbi,mbr (MBR kept only where it makes fewer dev errors); the "
+                                         "posterior scale is chosen with it [default: viterbi]."),
     device: str = typer.Option("auto"),
     precision: str = PRECISION,
     path_choice: bool = PATH_CHOICE,
@@ -83,7 +81,7 @@ def tune(
     if lattices:
         if mbr:
             raise ConfigError("--mbr tunes the choice among n-best hypotheses; for lattices choose the consensus "
-                              "decode with --decode viterbi,mbr,nbest-mbr")
+                              "decode with --decode viterbi,mbr")
         from ..rescoring.lattice_expand import ExpandConfig
         from ..rescoring.lattice_run import LatticeRun
         from ..rescoring.tune_decode import parse_decodes

@@ -4,7 +4,6 @@ cheap searches over it (best path, n-best, the rescored lattice), never an LM.""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -13,9 +12,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..weights import Weights, log_mix, weighted_total
 from .graph import backtrack, state_levels, viterbi
-from .kbest import Dag, ScoredPath, kbest_paths, nbest_paths
+from .kbest import Dag, ScoredPath, nbest_paths
 from .lattice import Lattice, LatticeWarning, SymbolTable
-from .wer import pairwise_errors
 
 
 @dataclass
@@ -29,17 +27,6 @@ class ExpandStats:
     peak_state_bytes: int = 0
     pruned_harder: bool = False
     seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class MbrCandidates:
-    """A lattice's n best distinct word sequences under some weights, best first: totals (higher is better),
-    each one's arcs in path order, words, and (n, n) word edit distances."""
-
-    totals: np.ndarray
-    arcs: list[np.ndarray]
-    words: list[list[str]]
-    distances: np.ndarray
 
 
 @dataclass
@@ -67,9 +54,6 @@ class ExpandedLattice:
     source: Lattice | None = None  # the prepared input lattice
     arc: np.ndarray | None = None  # (E,) the arc of `source` each arc expands
     first_pass: tuple[float, list[str]] | None = None  # (am_scale, the decoder's best path under it), when known
-    # the n best paths and their edit distances under the weights they were found with (`mbr_candidates`): a sweep
-    # of the decision's scale re-weighs them, nothing more
-    _mbr: tuple[Weights, MbrCandidates] | None = field(default=None, repr=False, compare=False)
 
     # ---- weights -> costs ------------------------------------------------------------
     @staticmethod
@@ -142,15 +126,12 @@ class ExpandedLattice:
         return t[self.node_lat] * frame_shift
 
     def best_timed_words(self, w: Weights, frame_shift: float) -> list[tuple[str, float, float]]:
-        """(word, start, duration) in seconds along the best path (`timed_words`)."""
-        return self.timed_words(self.best_arcs(w), frame_shift)
-
-    def timed_words(self, arcs: np.ndarray, frame_shift: float) -> list[tuple[str, float, float]]:
-        """(word, start, duration) in seconds along the path of `arcs` (in path order, from the start): from the
-        source lattice's state times (SLF `t=`), else from its transition-ids (one frame each, `frame_shift`
-        seconds apart, after subsampling). Raises ConfigError when the lattice has neither."""
+        """(word, start, duration) in seconds along the best path: from the source lattice's state times
+        (SLF `t=`), else from its transition-ids (one frame each, `frame_shift` seconds apart, after
+        subsampling). Raises ConfigError when the lattice has neither."""
         self._check_times()
         src = self.source
+        arcs = self.best_arcs(w)
         lat_arc = self.arc[arcs]
         if src.state_time is not None:
             start, end = src.state_time[src.src[lat_arc]], src.state_time[src.dst[lat_arc]]
@@ -165,20 +146,6 @@ class ExpandedLattice:
                 end[words_at] = np.maximum(nxt, end[words_at])
         return [(self.symbols.word(int(self.word[e])), float(a), float(b - a))
                 for e, a, b in zip(arcs.tolist(), start.tolist(), end.tolist()) if self.is_word[e] > 0]
-
-    def mbr_candidates(self, w: Weights, n: int) -> MbrCandidates:
-        """The n best distinct word sequences under `w` (as `nbest`) with their arcs and their word edit distances
-        to one another: what n-best MBR decides among (kept for the next call with the same weights and n; the
-        scales of posteriors and the decode do not change them)."""
-        key = dataclasses.replace(w, mbr_scale=0.0, posterior_scale=1.0, decode="viterbi")
-        if self._mbr is not None and self._mbr[0] == key and len(self._mbr[1].words) == n:
-            return self._mbr[1]
-        paths = kbest_paths(self.dag(w), n)
-        words = [[self.symbols.word(i) for i in self.word[a][self.is_word[a] > 0].tolist()] for _, a, _ in paths]
-        c = MbrCandidates(-np.array([t for t, _, _ in paths]), [a for _, a, _ in paths], words,
-                          pairwise_errors(words))
-        self._mbr = (key, c)
-        return c
 
     def nbest(self, w: Weights, n: int = 1) -> list[ScoredPath]:
         """The n best distinct word sequences under `w`, best first, each with its

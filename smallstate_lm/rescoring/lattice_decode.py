@@ -1,21 +1,15 @@
-"""A rescored lattice's transcript and word confidences under some weights: the best path, the consensus or the
-n-best MBR choice (`Weights.decode`), each word's confidence (its posterior in its own bin once the lattice is
-aligned to the transcript, consensus.py), and word times for a CTM; also the first pass's own transcript and
-confidences. Plain lists out, for the writers and for the service."""
+"""A rescored lattice's transcript and word confidences under some weights: the best path or the consensus
+(`Weights.decode`), each word's confidence (its posterior in its own bin once the lattice is aligned to the
+transcript, consensus.py), and word times for a CTM; also the first pass's own transcript and confidences.
+Plain lists out, for the writers and for the service."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
 from .consensus import Aligner, aligned_confidences, consensus_of
-from .nbest import expected_errors
 from .posteriors import first_pass_dag
-
-# the paths n-best MBR decides among (and weighs as the evidence): their n^2 / 2 edit distances are its cost
-MBR_PATHS = 50
 
 
 @dataclass
@@ -29,7 +23,7 @@ class Decoded:
     path_words: list[str]
     path_confidences: list[float]
     timed: list[tuple[str, float, float, float]] | None = None
-    risk: float | None = None  # the transcript's expected word errors: approximate (mbr), over the n best (nbest-mbr)
+    risk: float | None = None  # the consensus's approximate expected word errors (mbr only)
 
 
 def _keys(x, words: Sequence[str]) -> list[int]:
@@ -40,12 +34,11 @@ def decode_lattice(x, w, path_words: Sequence[str] | None = None, frame_shift: f
                    confidences: bool = True) -> Decoded:
     """Decode expanded lattice `x` (`ExpandedLattice`) under weights `w`: its best path (w.decode "viterbi")
     or its consensus ("mbr", from the best path, at posterior scale w.mbr_scale, or w.posterior_scale when that
-    is 0) or the n-best MBR choice ("nbest-mbr", at the same scale), with confidences from the lattice aligned to
-    the transcript at w.posterior_scale. `path_words`: the best path's words when already known (the n-best's
-    first); `frame_shift`: seconds per transition-id, to also give word times (raises ConfigError for a lattice
-    without times, as a CTM does). Without `confidences` (and without word times) a Viterbi decode is the best
-    path alone, with empty confidence lists: a forward-backward and an alignment per lattice cost about as much as
-    expanding it with an n-gram."""
+    is 0), with confidences from the lattice aligned to the transcript at w.posterior_scale. `path_words`: the
+    best path's words when already known (the n-best's first); `frame_shift`: seconds per transition-id, to also
+    give word times (raises ConfigError for a lattice without times, as a CTM does). Without `confidences` (and
+    without word times) a Viterbi decode is the best path alone, with empty confidence lists: a forward-backward
+    and an alignment per lattice cost about as much as expanding it with an n-gram."""
     path = list(path_words) if path_words is not None else x.best_words(w)
     if w.decode == "viterbi" and not confidences and frame_shift is None:
         return Decoded(path, [], path, [])
@@ -61,8 +54,6 @@ def decode_lattice(x, w, path_words: Sequence[str] | None = None, frame_shift: f
             timed = [(wd, a, d, c) for (wd, a, d), c in zip(spans, conf_t)]
         return Decoded(path, conf, path, conf, timed)
     scale = w.mbr_scale if w.mbr_scale > 0 else w.posterior_scale
-    if w.decode == "nbest-mbr":
-        return _nbest_mbr(x, w, scale, path, frame_shift, dag, name)
     times = x.node_times(frame_shift) if frame_shift is not None else None
     c = consensus_of(Aligner(dag, scale, times, name), _keys(x, path))
     conf, path_conf = c.confidences, c.start_confidences
@@ -75,25 +66,6 @@ def decode_lattice(x, w, path_words: Sequence[str] | None = None, frame_shift: f
         spans = _tidy_spans(c.times, x.labels_on_one_frame(), float(times.max(initial=0.0)))
         timed = [(wd, a, d, cf) for wd, (a, d), cf in zip(words, spans, conf)]
     return Decoded(words, conf, path, path_conf, timed, c.risk)
-
-
-def _nbest_mbr(x, w, scale: float, path: list[str], frame_shift: float | None, dag, name: str) -> Decoded:
-    """`decode_lattice` for "nbest-mbr": of the lattice's MBR_PATHS best paths, the one with the fewest expected
-    word errors against them all under softmax(`scale` * total) (ties: the better path), its confidences as a
-    best path's are (the lattice aligned to it, at w.posterior_scale)."""
-    c = x.mbr_candidates(w, MBR_PATHS)
-    if not c.words:  # no complete path: nothing to decide among
-        return Decoded(path, [], path, [])
-    risk = expected_errors(c.totals, c.distances, scale)
-    j = int(np.argmin(risk))  # the first of equal risks: the better path
-    al = Aligner(dag, w.posterior_scale, None, name)
-    words = c.words[j]
-    conf = al.confidences_of(_keys(x, words))
-    path_conf = conf if words == path else al.confidences_of(_keys(x, path))
-    timed = None
-    if frame_shift is not None:
-        timed = [(wd, a, d, cf) for (wd, a, d), cf in zip(x.timed_words(c.arcs[j], frame_shift), conf)]
-    return Decoded(words, conf, path, path_conf, timed, float(risk[j]))
 
 
 def _tidy_spans(times: list[tuple[float, float]], one_frame: bool, end: float) -> list[tuple[float, float]]:

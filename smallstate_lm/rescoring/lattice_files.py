@@ -87,9 +87,9 @@ class CtmOptions:
 @dataclass
 class LatticeResult:
     """What the outputs need from one input lattice: its n-best (best first, as
-    `ExpandedLattice.nbest` gives them), its transcript `best` (the best path, or the MBR choice with
-    `decode` "mbr" or "nbest-mbr") with each word's confidence, the confidences of the n-best's first (the best
-    path), the first pass's best words, the rescored lattice (None when not written) and the
+    `ExpandedLattice.nbest` gives them), its transcript `best` (the best path, or the consensus with
+    `decode` "mbr") with each word's confidence, the confidences of the n-best's first (the best path), the
+    first pass's best words, the rescored lattice (None when not written) and the
     expansion's counters; or, for a file that failed, only `error`. Lattices of a Kaldi
     archive name it (`archive`, `kind`), so that they are written back into one; `ctm`
     holds (word, start, duration, confidence) of the transcript's words when asked."""
@@ -238,7 +238,7 @@ class LatticeOutputs:
                 Hypothesis(words=h.words, am=h.am, graph=h.graph, id=str(k), scores=h.scores() | {"rank": k},
                            confidences=r.path_confidences if k == 0 else None)
                 for k, h in enumerate(r.nbest)],
-                consensus=Hypothesis(r.best, confidences=r.confidences) if r.decode != "viterbi" else None))
+                consensus=Hypothesis(r.best, confidences=r.confidences) if r.decode == "mbr" else None))
         entry = None
         if self.write_lattices and r.archive is not None and r.lattice is not None:
             entry = (r.archive, r.kind, r.name, r.lattice)

@@ -1,5 +1,5 @@
 """The decode of lattices and the posterior scales, chosen on dev lattices once their weights are tuned
-(`tune --decode viterbi,mbr,nbest-mbr`): each setting re-decodes the stored expanded lattices, no LM call.
+(`tune --decode viterbi,mbr`): each setting re-decodes the stored expanded lattices, no LM call.
 
 - Viterbi: the transcript is the best path; `posterior_scale`, which only shapes its word confidences, is the
   one whose confidences explain the most (highest NCE against the references).
@@ -9,9 +9,7 @@
   values: each setting costs a consensus decode of every lattice); then `posterior_scale` for its confidences,
   by NCE as above. The decision and the confidences get separate scales because they want different ones: on
   our dev sets the consensus does best with a sharp posterior, calibrated confidences need a flatter one.
-- n-best MBR (the one of the lattice's MBR_PATHS best paths with the fewest expected word errors against them):
-  `mbr_scale` and `word_penalty` as for the consensus, then `posterior_scale` for its confidences.
-- With several, the one with the fewest errors on the dev set is kept; Viterbi wins a tie, then the consensus.
+- With both, MBR is kept only when it makes fewer errors than Viterbi on the dev set.
 """
 
 from __future__ import annotations
@@ -61,13 +59,11 @@ class DecodeChoice:
 
 
 def parse_decodes(text: str) -> tuple[str, ...]:
-    """`viterbi`, `mbr`, `nbest-mbr` or several, comma-separated (e.g. `viterbi,mbr,nbest-mbr`) -> the decodes to
-    choose among; errors name the option."""
+    """`viterbi`, `mbr` or `viterbi,mbr` -> the decodes to choose among; errors name the option."""
     names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     bad = [n for n in names if n not in DECODES]
     if bad or not names:
-        raise ConfigError(f"--decode: expected one or more of {', '.join(DECODES)}, comma-separated "
-                          f"(e.g. viterbi,mbr,nbest-mbr), got {text!r}")
+        raise ConfigError(f"--decode: expected viterbi, mbr or viterbi,mbr, got {text!r}")
     return names
 
 
@@ -100,21 +96,20 @@ def _confidence_scale(expanded, refs, w: Weights, errors: int) -> tuple[Weights,
     return dataclasses.replace(w, posterior_scale=best.scale), best.nce, points
 
 
-def _mbr(expanded, refs, tuned: Weights, grid, decode: str) -> tuple[Weights, int, list[DecodePoint]]:
-    """An MBR decode's ("mbr" or "nbest-mbr") mbr_scale by errors on `expanded`, then its word_penalty (module
-    docstring)."""
+def _mbr(expanded, refs, tuned: Weights, grid) -> tuple[Weights, int, list[DecodePoint]]:
+    """The consensus's mbr_scale by errors on `expanded`, then its word_penalty (module docstring)."""
     points, best, best_w = [], None, None
     for m in MBR_GRID:
-        w = dataclasses.replace(tuned, decode=decode, mbr_scale=m, posterior_scale=m)
+        w = dataclasses.replace(tuned, decode="mbr", mbr_scale=m, posterior_scale=m)
         e, score, _ = _decode_all(expanded, refs, w)
-        p = DecodePoint(decode, "mbr_scale", m, e, score)
+        p = DecodePoint("mbr", "mbr_scale", m, e, score)
         points.append(p)
         if _better(p, best):
             best, best_w = p, w
     for v in (grid or {}).get("word_penalty", []):
         w = dataclasses.replace(best_w, word_penalty=v)
         e, score, _ = _decode_all(expanded, refs, w)
-        p = DecodePoint(decode, "mbr_scale", best.scale, e, score)
+        p = DecodePoint("mbr", "mbr_scale", best.scale, e, score)
         if _better(p, best):
             best, best_w = p, w
     return best_w, best.errors, points
@@ -123,18 +118,20 @@ def _mbr(expanded, refs, tuned: Weights, grid, decode: str) -> tuple[Weights, in
 def choose_decode(expanded: Sequence, refs: Mapping[str, list[str]], tuned: Weights, viterbi_errors: int,
                   decodes: Sequence[str], grid: Mapping[str, list[float]] | None = None) -> DecodeChoice:
     """The decode among `decodes` and its scales (module docstring), from weights `tuned` by Viterbi with
-    `viterbi_errors` on `expanded`; `grid` gives word_penalty's values for the MBR passes (none: no pass). Of
-    decodes with equal errors the first in DECODES wins (Viterbi over either MBR)."""
+    `viterbi_errors` on `expanded`; `grid` gives word_penalty's values for the MBR pass (none: no pass)."""
     points: list[DecodePoint] = []
     cands: dict[str, tuple[int, float, Weights]] = {}
-    for d in (d for d in DECODES if d in decodes):
-        if d == "viterbi":
-            w, errors = dataclasses.replace(tuned, decode="viterbi"), viterbi_errors
-        else:
-            w, errors, pts = _mbr(expanded, refs, tuned, grid, d)
-            points += pts
-        w, score, pts = _confidence_scale(expanded, refs, w, errors)
-        cands[d] = (errors, score, w)
+    if "viterbi" in decodes:
+        w, score, pts = _confidence_scale(expanded, refs, dataclasses.replace(tuned, decode="viterbi"),
+                                          viterbi_errors)
+        cands["viterbi"] = (viterbi_errors, score, w)
         points += pts
-    errors, score, w = min(cands.values(), key=lambda c: c[0])  # the first of equal errors
+    if "mbr" in decodes:
+        w, errors, pts = _mbr(expanded, refs, tuned, grid)
+        w, score, pts2 = _confidence_scale(expanded, refs, w, errors)
+        cands["mbr"] = (errors, score, w)
+        points += pts + pts2
+    pick = "viterbi" if "viterbi" in cands and ("mbr" not in cands or cands["viterbi"][0] <= cands["mbr"][0]) \
+        else "mbr"
+    errors, score, w = cands[pick]
     return DecodeChoice(w, errors, score, points)

@@ -63,7 +63,7 @@ class WeightsIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     lam: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]] = None
     mbr_scale: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ABS_WEIGHT)]] = None
     posterior_scale: Optional[Annotated[float, msgspec.Meta(gt=0.0, le=MAX_ABS_WEIGHT)]] = None
-    decode: Optional[Literal["viterbi", "mbr", "nbest-mbr"]] = None
+    decode: Optional[Literal["viterbi", "mbr"]] = None
 
     def model_dump(self, exclude_none: bool = False) -> dict:
         """The overrides given, as pydantic's model would list them."""

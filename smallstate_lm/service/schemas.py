@@ -121,13 +121,12 @@ class WeightsIn(_Strict):
     mbr_scale: Optional[Annotated[float, Field(ge=0.0, le=MAX_ABS_WEIGHT, allow_inf_nan=False)]] = Field(
         None, description="Hypothesis lists: > 0 ranks by minimum Bayes risk, the fewest expected word errors "
         "under the posterior softmax(mbr_scale * total) over the list; 0 ranks by total. Lattices with "
-        "decode=mbr or nbest-mbr: the sharpness of the posterior of the MBR decision (0: posterior_scale's).")
+        "decode=mbr: the sharpness of the consensus's posterior (0: posterior_scale's).")
     posterior_scale: Optional[Annotated[float, Field(gt=0.0, le=MAX_ABS_WEIGHT, allow_inf_nan=False)]] = Field(
         None, description="Lattices: word confidences are posteriors under exp(posterior_scale * total).")
-    decode: Optional[Literal["viterbi", "mbr", "nbest-mbr"]] = Field(
-        None, description="Lattices: the transcript is the best path (viterbi), the consensus (mbr: the word "
-        "sequence with the fewest expected word errors under the lattice's posterior, approximately), or the one "
-        "of the lattice's 50 best paths with the fewest expected word errors against them (nbest-mbr).")
+    decode: Optional[Literal["viterbi", "mbr"]] = Field(
+        None, description="Lattices: the transcript is the best path (viterbi) or the consensus (mbr: the word "
+        "sequence with the fewest expected word errors under the lattice's posterior).")
 
 
 class RescoreRequest(_Strict):
@@ -172,7 +171,7 @@ class Transcript(BaseModel):
     """A lattice's transcript under the request's `decode`, each word with its confidence: its posterior in
     [0, 1] under exp(posterior_scale * total), in its slot once the lattice is aligned to the transcript."""
 
-    decode: Literal["viterbi", "mbr", "nbest-mbr"]
+    decode: Literal["viterbi", "mbr"]
     words: list[str]
     confidences: list[float]
 
@@ -182,9 +181,8 @@ class UtteranceResult(BaseModel):
     source: Literal["hypotheses", "lattice"]
     best: ScoredHypothesis
     hypotheses: list[ScoredHypothesis]
-    transcript: Optional[Transcript] = Field(None, description="Lattices only: the best path (decode=viterbi), "
-                                             "the consensus (decode=mbr) or the n-best MBR choice "
-                                             "(decode=nbest-mbr), with word confidences.")
+    transcript: Optional[Transcript] = Field(None, description="Lattices only: the best path (decode=viterbi) or "
+                                             "the consensus (decode=mbr), with word confidences.")
 
 
 class Usage(BaseModel):
@@ -211,7 +209,7 @@ class WeightsOut(BaseModel):
     lam: float
     mbr_scale: float
     posterior_scale: float
-    decode: Literal["viterbi", "mbr", "nbest-mbr"]
+    decode: Literal["viterbi", "mbr"]
 
 
 class RescoreResponse(BaseModel):
