@@ -413,6 +413,12 @@ def run_abuse(args: argparse.Namespace) -> None:
         counts = {k: metric(server.port, f"smallstate_{k}_total") for k in ("requests_cancelled", "work_cancelled",
                                                                            "header_timeouts")}
         counts["408"] = metric(server.port, "smallstate_requests_total", status="408")
+        for stage in ("wait", "price"):  # the server's view of the pricing process, over the whole run
+            for part in ("count", "sum"):
+                counts[f"pricing {stage} {part}"] = metric(server.port, f"smallstate_pricing_seconds_{part}",
+                                                           stage=stage)
+            counts[f"pricing {stage} over 50 ms"] = counts[f"pricing {stage} count"] - metric(
+                server.port, "smallstate_pricing_seconds_bucket", stage=stage, le="0.05")
         rss_peak = sampler.stop()
         grace = server_settings.drain_seconds + server_settings.graceful_timeout_s
         shutdown = asyncio.run(shutdown_run(server, in_flight, 1.0, grace))
@@ -550,6 +556,11 @@ def abuse_report(args, settings, base, out, stalls, counts, rss, seconds, wedged
         f"| stalled uploads answered 408 or closed | {len(timed_out)} of {len(stalls)}, after at most "
         f"{max(timed_out, default=float('nan')):.1f} s (server: {counts['408']:.0f} 408s, "
         f"{counts['header_timeouts']:.0f} head timeouts) | all, within the timeouts |",
+        "| large bodies in the pricing process (the server's view): wait for a free copy / the copy's answer | "
+        + " / ".join(f"{1000 * counts[f'pricing {st} sum'] / max(1, counts[f'pricing {st} count']):.0f}"
+                     for st in ("wait", "price")) + " ms mean; over 50 ms: "
+        + " / ".join(f"{counts[f'pricing {st} over 50 ms']:.0f}" for st in ("wait", "price"))
+        + f" of {counts['pricing wait count']:.0f} | |",
         f"| hang-ups whose work was stopped | {counts['requests_cancelled']:.0f} requests cancelled, "
         f"{counts['work_cancelled']:.0f} jobs dropped or stopped | {args.disconnects} or more |",
         f"| server RSS before / peak / after | {rss['before']:.0f} MiB / {rss['peak']:.0f} MiB / "

@@ -95,6 +95,11 @@ def test_large_bodies_are_answered_as_without_the_pricing_process_and_counted(se
     counted = {o: _metric(after, "smallstate_priced_total", outcome=o)
                - _metric(before, "smallstate_priced_total", outcome=o) for o in ("refused", "let_in", "unpriced")}
     assert counted == {"refused": 2, "let_in": 2, "unpriced": 0}, counted  # a bad word is the server's to find
+    for stage in ("wait", "price"):  # each priced body's wait for a copy and the copy's answer, timed
+        n = _metric(after, "smallstate_pricing_seconds_count", stage=stage) - _metric(
+            before, "smallstate_pricing_seconds_count", stage=stage)
+        assert n == 4, (stage, n)
+    assert _metric(after, "smallstate_pricing_seconds_sum", stage="price") > 0
     assert _metric(metrics(plain), "smallstate_priced_total") == 0
     # a small request never goes there
     assert post(priced, "/rescore", {"utterances": [utt()]}).status_code == 200

@@ -45,12 +45,18 @@ class Metrics:
         self.priced = Counter("smallstate_priced", "Large request bodies priced in the pricing process, by outcome: "
                               "refused (answered 4xx/503 from its price), let_in, or unpriced (left to the server).",
                               ["outcome"], registry=r)
+        self.pricing = Histogram("smallstate_pricing_seconds", "Large request bodies in the pricing process: the "
+                                 "wait for a free copy (stage=wait) and its answer, the body's transfer included "
+                                 "(stage=price).", ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.header_timeouts = Counter("smallstate_header_timeouts", "Connections closed because a request's head "
                                        "did not arrive within header_timeout_s.", registry=r)
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()
         self.latency.labels(route, str(status)).observe(seconds)
+
+    def observe_pricing(self, stage: str, seconds: float) -> None:
+        self.pricing.labels(stage).observe(seconds)
 
     def observe_batch(self, n_requests: int, cost: int, seconds: float) -> None:
         self.batch_requests.observe(n_requests)

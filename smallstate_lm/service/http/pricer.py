@@ -113,20 +113,27 @@ class Pricer:
         return self._live > 0
 
     def price(self, kind: str, raw: bytes, deadline: float, timeout: float, slice_s: float, backlog: float | None,
-              held: Callable[[], ContextManager] = contextlib.nullcontext) -> ServiceError | Priced | None:
+              held: Callable[[], ContextManager] = contextlib.nullcontext,
+              timed: Callable[[str, float], None] = lambda stage, seconds: None) -> ServiceError | Priced | None:
         """The refusal the server's own preparation of `raw` (a `kind` request: "rescore" or "score") would end
         in, with its deadline at `deadline` (time.perf_counter) and the long work queued ahead `backlog`
         (`Service.long_backlog`); else its prediction (`Priced`); None when it could not be priced (a body not
         of the request's structure, every copy busy for WAIT_S or until the deadline, or the copy failed). `held()`
-        is entered while a copy prices it. Runs on a thread-pool thread to its end (a cancelled request's copy still
-        comes back)."""
+        is entered while a copy prices it; `timed(stage, seconds)` is told the wait for a free copy ("wait") and the
+        copy's answer ("price"). Runs on a thread-pool thread to its end (a cancelled request's copy still comes
+        back)."""
+        t0 = time.perf_counter()
         try:
             copy = self._free.get(timeout=max(0.0, min(WAIT_S, deadline - time.perf_counter())))
         except queue.Empty:
+            timed("wait", time.perf_counter() - t0)
             return None
+        t1 = time.perf_counter()
+        timed("wait", t1 - t0)
         try:
             with held():
                 answer = copy.ask((kind, deadline - time.perf_counter(), timeout, slice_s, backlog), raw)
+            timed("price", time.perf_counter() - t1)
         except Exception as e:  # a dead or stuck copy, a broken pipe, an answer that does not unpickle
             with self._failures:
                 self._live -= 1
@@ -156,7 +163,7 @@ async def refuse_if_priced_out(svc: Service, kind: str, raw: bytes, request: Req
     # on a CPU the model's steps and the pricing share the cores: the worker waits between two steps meanwhile
     held = functools.partial(svc.batcher.held, svc.models.device.type == "cpu")
     answer = await run_in_threadpool(pricer.price, kind, raw, deadline, timeout, svc.batcher.slice_s,
-                                     svc.long_backlog(), held)
+                                     svc.long_backlog(), held, svc.metrics.observe_pricing)
     if answer is None:
         svc.metrics.priced.labels("unpriced").inc()
         return
