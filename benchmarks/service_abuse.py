@@ -337,10 +337,10 @@ def server_rss_mib(pid: int, field: str = "VmRSS") -> float:
     return float("nan")
 
 
-def metric(port: int, name: str, **labels) -> float:
-    _, text = asyncio.run(http_get(port, "/metrics"))
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`, in the server's /metrics `text`."""
     total = 0.0
-    for line in text.decode().splitlines():
+    for line in text.splitlines():
         key, _, value = line.rpartition(" ")
         if key.partition("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
             total += float(value)
@@ -410,15 +410,15 @@ def run_abuse(args: argparse.Namespace) -> None:
         time.sleep(3)  # large requests' memory given back
         rss1 = server_rss_mib(server.proc.pid)
         anon1 = server_rss_mib(server.proc.pid, "RssAnon")
-        counts = {k: metric(server.port, f"smallstate_{k}_total") for k in ("requests_cancelled", "work_cancelled",
-                                                                           "header_timeouts")}
-        counts["408"] = metric(server.port, "smallstate_requests_total", status="408")
+        text = asyncio.run(http_get(server.port, "/metrics"))[1].decode()
+        counts = {k: metric(text, f"smallstate_{k}_total") for k in ("requests_cancelled", "work_cancelled",
+                                                                    "header_timeouts")}
+        counts["408"] = metric(text, "smallstate_requests_total", status="408")
         for stage in ("wait", "price"):  # the server's view of the pricing process, over the whole run
             for part in ("count", "sum"):
-                counts[f"pricing {stage} {part}"] = metric(server.port, f"smallstate_pricing_seconds_{part}",
-                                                           stage=stage)
+                counts[f"pricing {stage} {part}"] = metric(text, f"smallstate_pricing_seconds_{part}", stage=stage)
             counts[f"pricing {stage} over 50 ms"] = counts[f"pricing {stage} count"] - metric(
-                server.port, "smallstate_pricing_seconds_bucket", stage=stage, le="0.05")
+                text, "smallstate_pricing_seconds_bucket", stage=stage, le="0.05")
         rss_peak = sampler.stop()
         grace = server_settings.drain_seconds + server_settings.graceful_timeout_s
         shutdown = asyncio.run(shutdown_run(server, in_flight, 1.0, grace))

@@ -126,10 +126,11 @@ class Pricer:
         try:
             copy = self._free.get(timeout=max(0.0, min(WAIT_S, deadline - time.perf_counter())))
         except queue.Empty:
-            timed("wait", time.perf_counter() - t0)
-            return None
+            copy = None
         t1 = time.perf_counter()
         timed("wait", t1 - t0)
+        if copy is None:
+            return None
         try:
             with held():
                 answer = copy.ask((kind, deadline - time.perf_counter(), timeout, slice_s, backlog), raw)
