@@ -30,13 +30,13 @@ from common import DOC, command, machine, paired_medians, write_section  # noqa:
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.device import PRECISIONS, pick_device  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
-from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, build_rescorer  # noqa: E402
-from smallstate_lm.rescoring.lattice_files import RunOptions, rescore_lattice_files  # noqa: E402
-from smallstate_lm.rescoring.nbest import apply_weights, compute_components  # noqa: E402
-from smallstate_lm.rescoring.nbest_io import read_nbest, read_text  # noqa: E402
-from smallstate_lm.rescoring.wer import corpus_wer  # noqa: E402
-from smallstate_lm.scoring import NeuralScorer  # noqa: E402
+from smallstate_lm.rescoring.decode.wer import corpus_wer  # noqa: E402
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, build_rescorer  # noqa: E402
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable  # noqa: E402
+from smallstate_lm.rescoring.nbest.components import apply_weights, compute_components  # noqa: E402
+from smallstate_lm.rescoring.nbest.lists import read_nbest, read_text  # noqa: E402
+from smallstate_lm.rescoring.runs.lattice_files import RunOptions, rescore_lattice_files  # noqa: E402
+from smallstate_lm.scoring.scorer import NeuralScorer  # noqa: E402
 from smallstate_lm.weights import Weights  # noqa: E402
 
 VOICES = ("festival_slt", "festival_kal")

@@ -32,12 +32,12 @@ from common import DOC, command, machine, write_section  # noqa: E402
 
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
-from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer  # noqa: E402
-from smallstate_lm.rescoring.lattice_files import read_lattice  # noqa: E402
-from smallstate_lm.rescoring.nbest_io import read_text  # noqa: E402
-from smallstate_lm.rescoring.wer import align_counts  # noqa: E402
-from smallstate_lm.scoring import Weights  # noqa: E402
+from smallstate_lm.rescoring.decode.wer import align_counts  # noqa: E402
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer  # noqa: E402
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable  # noqa: E402
+from smallstate_lm.rescoring.nbest.lists import read_text  # noqa: E402
+from smallstate_lm.rescoring.runs.lattice_files import read_lattice  # noqa: E402
+from smallstate_lm.weights import Weights  # noqa: E402
 
 
 def main() -> None:
@@ -228,7 +228,7 @@ class _Clock:
 
 def breakdown(args) -> None:
     """One rescoring run of the lattices with the neural LM and the n-gram, its wall time split by phase."""
-    from smallstate_lm.rescoring.lattice_io import write_fst
+    from smallstate_lm.rescoring.formats.lattice_io import write_fst
 
     files: list[Path] = []
     for p in map(Path, args.lattices):

@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import DOC, command, machine, write_section  # noqa: E402
 
 from smallstate_lm.models import build_model, count_parameters, get_preset  # noqa: E402
-from smallstate_lm.rescoring.nbest_io import read_nbest  # noqa: E402
-from smallstate_lm.scoring import NeuralScorer, PrefixTrie  # noqa: E402
+from smallstate_lm.rescoring.nbest.lists import read_nbest  # noqa: E402
+from smallstate_lm.scoring.scorer import NeuralScorer  # noqa: E402
+from smallstate_lm.scoring.trie import PrefixTrie  # noqa: E402
 from smallstate_lm.state import pad_batch  # noqa: E402
 from smallstate_lm.vocab import SPECIALS, Vocabulary  # noqa: E402
 

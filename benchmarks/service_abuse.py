@@ -29,7 +29,7 @@ from service_client import (
     service_section,
 )
 
-from smallstate_lm.rescoring.nbest_io import read_nbest
+from smallstate_lm.rescoring.nbest.lists import read_nbest
 
 # ---------------------------------------------------------------------------------------------
 # --abuse: a fixed mix of small and near-limit requests, stalled uploads and clients that hang up
@@ -67,8 +67,8 @@ def lattice_packs(dev: Path, limit: int, max_per_state: int, n: int, max_utts: i
     """`n` requests of real dev lattices (`dev`/festival_*/fst/*.lat.fst, words.txt in `dev`; OpenFST text,
     words as labels), each packed to 80-100% of `limit` estimated LM steps or to `max_utts` lattices, whichever
     comes first."""
-    from smallstate_lm.rescoring.lattice import SymbolTable
-    from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
+    from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst
+    from smallstate_lm.rescoring.lattices.lattice import SymbolTable
     from smallstate_lm.service.inputs import lattice_cost
 
     symbols = SymbolTable.read(dev / "words.txt")

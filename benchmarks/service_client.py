@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from smallstate_lm.rescoring.nbest_io import read_nbest  # noqa: E402
+from smallstate_lm.rescoring.nbest.lists import read_nbest  # noqa: E402
 
 DEV = ROOT.parent / "shared" / "data" / "dev"
 

@@ -29,7 +29,7 @@ from dev_experiment import run_voice  # noqa: E402
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.evaluate import evaluate_file  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
-from smallstate_lm.scoring import NeuralScorer  # noqa: E402
+from smallstate_lm.scoring.scorer import NeuralScorer  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 CLI = [sys.executable, "-m", "smallstate_lm.cli"]

@@ -23,23 +23,24 @@ from common import write_section  # noqa: E402
 
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
-from smallstate_lm.rescoring.confidence_eval import (  # noqa: E402
+from smallstate_lm.rescoring.decode.confidence_eval import (  # noqa: E402
     evaluate_confidences,
     label_transcripts,
     nce,
     plot_reliability,
     reliability_table,
 )
-from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
-from smallstate_lm.rescoring.lattice_decode import decode_lattice, first_pass_decode  # noqa: E402
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer  # noqa: E402
-from smallstate_lm.rescoring.lattice_io import read_fst  # noqa: E402
-from smallstate_lm.rescoring.nbest import compute_components, ranking  # noqa: E402
-from smallstate_lm.rescoring.nbest_io import read_nbest_tsv, read_text  # noqa: E402
-from smallstate_lm.rescoring.tune import DEFAULT_GRID, hypothesis_errors, tune, tune_lattices  # noqa: E402
-from smallstate_lm.rescoring.tune_decode import MBR_GRID, POSTERIOR_GRID, choose_decode  # noqa: E402
-from smallstate_lm.rescoring.wer import align_counts  # noqa: E402
-from smallstate_lm.scoring import NeuralScorer, Weights  # noqa: E402
+from smallstate_lm.rescoring.decode.transcript import decode_lattice, first_pass_decode  # noqa: E402
+from smallstate_lm.rescoring.decode.wer import align_counts  # noqa: E402
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer  # noqa: E402
+from smallstate_lm.rescoring.formats.lattice_io import read_fst  # noqa: E402
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable  # noqa: E402
+from smallstate_lm.rescoring.nbest.components import compute_components, ranking  # noqa: E402
+from smallstate_lm.rescoring.nbest.lists import read_nbest_tsv, read_text  # noqa: E402
+from smallstate_lm.rescoring.runs.tune import DEFAULT_GRID, hypothesis_errors, tune, tune_lattices  # noqa: E402
+from smallstate_lm.rescoring.runs.tune_decode import MBR_GRID, POSTERIOR_GRID, choose_decode  # noqa: E402
+from smallstate_lm.scoring.scorer import NeuralScorer  # noqa: E402
+from smallstate_lm.weights import Weights  # noqa: E402
 
 GRAPH = [round(0.1 * i, 2) for i in range(11)]
 SYSTEMS = {
@@ -323,7 +324,7 @@ def mbr_section(args, mbr_rows: list[tuple[str, dict]], write_plot: bool) -> str
         "dev sets\" re-decoded: 2-fold, each fold's weights tuned by Viterbi on the other half's expanded lattices "
         "(as there); then on that "
         "half the posterior scale of the best path's confidences is the one with the highest NCE, and the "
-        "consensus decode (`rescoring/consensus.py`, Xu et al. 2011) gets the posterior scale of its decision "
+        "consensus decode (`rescoring/decode/consensus.py`, Xu et al. 2011) gets the posterior scale of its decision "
         f"(`mbr_scale`, from {', '.join(f'{s:g}' for s in MBR_GRID)}) with the fewest errors, its word "
         "penalty searched once more, then the scale of its confidences by NCE (`tune --decode`); the first "
         "pass's confidences (the decoder's lattice alone, graph + acoustic/9.5) get their own scale by NCE "

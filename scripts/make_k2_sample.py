@@ -14,9 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from smallstate_lm.rescoring.k2_lattice import write_k2  # noqa: E402
-from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
-from smallstate_lm.rescoring.lattice_io import read_fst  # noqa: E402
+from smallstate_lm.rescoring.formats.k2 import write_k2  # noqa: E402
+from smallstate_lm.rescoring.formats.lattice_io import read_fst  # noqa: E402
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable  # noqa: E402
 
 
 def main() -> None:

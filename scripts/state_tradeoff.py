@@ -299,11 +299,11 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
 
     from smallstate_lm.checkpoint import load_model
     from smallstate_lm.evaluate import evaluate_file
-    from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer
-    from smallstate_lm.rescoring.lattice_io import read_fst
-    from smallstate_lm.rescoring.nbest_io import read_text
-    from smallstate_lm.rescoring.wer import align_counts
-    from smallstate_lm.scoring import NeuralScorer
+    from smallstate_lm.rescoring.decode.wer import align_counts
+    from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer
+    from smallstate_lm.rescoring.formats.lattice_io import read_fst
+    from smallstate_lm.rescoring.nbest.lists import read_text
+    from smallstate_lm.scoring.scorer import NeuralScorer
     from smallstate_lm.weights import Weights
 
     cached = run / "assess.json"
@@ -365,7 +365,7 @@ def assess_one(run: Path, args, ngram, symbols) -> dict:
 
 def cmd_assess(args) -> None:
     from smallstate_lm.ngram import NgramLM
-    from smallstate_lm.rescoring.lattice import SymbolTable
+    from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
     check_readable(args.ngram, args.valid, args.dev)
     runs = [p for p in sorted(Path(args.runs).iterdir()) if (p / "model.pt").exists()]

@@ -38,7 +38,7 @@ class Weights:
     highest total: the posterior over the list is softmax(mbr_scale * total) and the
     hypothesis with the fewest expected word errors against it wins (0 = highest total).
     Lattices are decoded by their best path (decode="viterbi") or by consensus (decode="mbr": the word
-    sequence with the fewest expected word errors, rescoring/consensus.py, under the posterior
+    sequence with the fewest expected word errors, rescoring/decode/consensus.py, under the posterior
     exp(mbr_scale * total), or exp(posterior_scale * total) when mbr_scale is 0); their word confidences
     are posteriors under exp(posterior_scale * total).
     Defaults suit a decoder whose am is a raw acoustic log-likelihood (Kaldi-style

@@ -28,8 +28,8 @@ import torch
 
 from smallstate_lm.errors import ConfigError, SmallstateError
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.lattice import Lattice
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, ExpandedLattice, ExpandStats
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, ExpandedLattice, ExpandStats
+from smallstate_lm.rescoring.lattices.lattice import Lattice
 from smallstate_lm.vocab import EOS_ID, Vocabulary
 from smallstate_lm.weights import Weights, count_oov, lm_score, oov_reference
 
@@ -354,7 +354,7 @@ class LatticeRescorer:
 
 
 def reference_nbest(self, w: Weights, n: int = 1) -> list[dict]:
-    """`ExpandedLattice.nbest` as it was before the lazy k-best (kbest.py): up to n partial
+    """`ExpandedLattice.nbest` as it was before the lazy k-best (lattices/kbest.py): up to n partial
     word sequences per node; `self` is an ExpandedLattice."""
     cost = self.arc_costs(w)
     fcost = self.final_costs(w)

@@ -1,6 +1,7 @@
 """The package's import direction (docs/architecture.md): core -> models -> scoring -> rescoring / training ->
 service -> cli, nothing imports upward, rescoring and the service never import the training side, and there is
-no import cycle. Imports inside functions count: a lazy import is still a dependency."""
+no import cycle; inside rescoring/, the rooms import in one direction too (lattices -> formats, decode -> nbest,
+expand -> runs). Imports inside functions count: a lazy import is still a dependency."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ LAYERS = {
     "service": (SERVICE, "service"),
     "cli": (FRONT, "front"), "__main__": (FRONT, "front"), "__init__": (FRONT, "front"),
 }
+# rescoring/'s rooms, as its subpackages' __init__ docstrings say: a room may import from a lower rank or itself.
+ROOMS = {"lattices": 0, "formats": 1, "decode": 1, "nbest": 2, "expand": 2, "runs": 3}
 TRAINING = {"data", "evaluate", "train", "train_config", "distill", "tasks", "cli", "__main__"}
 
 
@@ -81,6 +84,19 @@ def test_nothing_imports_upward():
     assert not bad, "imports against the layer direction:\n" + "\n".join(sorted(bad))
 
 
+def test_rescoring_rooms_import_in_one_direction():
+    bad, rescoring = [], "smallstate_lm.rescoring"
+    for mod, deps in _graph().items():
+        if not mod.startswith(rescoring + "."):
+            continue
+        room = mod.split(".")[2]
+        assert room in ROOMS, f"{mod}: rescoring/ holds only the rooms {sorted(ROOMS)} (and a short __init__)"
+        for d in deps:
+            if d.startswith(rescoring + ".") and (other := d.split(".")[2]) != room and ROOMS[other] >= ROOMS[room]:
+                bad.append(f"{mod} -> {d}")
+    assert not bad, "imports against the rooms' direction:\n" + "\n".join(sorted(bad))
+
+
 def test_rescoring_and_the_service_never_import_the_training_side():
     bad = [f"{mod} -> {d}" for mod, deps in _graph().items() if _layer(mod)[1] in ("rescoring", "service", "scoring")
            for d in deps if d.split(".")[1] in TRAINING]
@@ -120,9 +136,9 @@ def test_no_import_cycle():
 
 def test_the_graph_is_read():
     graph = _graph()
-    assert "smallstate_lm.rescoring.lattice_expand" in graph["smallstate_lm.cli"] | {
+    assert "smallstate_lm.rescoring.expand.rescorer" in graph["smallstate_lm.cli"] | {
         d for m in graph if m.startswith("smallstate_lm.rescoring") for d in graph[m]}
-    assert "smallstate_lm.state" in graph["smallstate_lm.scoring"]
+    assert "smallstate_lm.state" in graph["smallstate_lm.scoring.scorer"]
 
 
 def test_an_ngram_only_rescore_imports_no_torch(kenlm_model, tmp_path):

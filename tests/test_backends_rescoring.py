@@ -11,8 +11,8 @@ from test_state_contract import shrunk
 
 from smallstate_lm.checkpoint import load_model, save_checkpoint
 from smallstate_lm.models import PRESETS, build_model
-from smallstate_lm.rescoring.nbest_io import read_nbest
-from smallstate_lm.scoring import NeuralScorer
+from smallstate_lm.rescoring.nbest.lists import read_nbest
+from smallstate_lm.scoring.scorer import NeuralScorer
 from smallstate_lm.vocab import EOS_ID, Vocabulary
 
 OTHER = [name for name, cfg in PRESETS.items() if cfg.arch != "transformer"]

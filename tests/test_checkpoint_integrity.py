@@ -22,7 +22,7 @@ from smallstate_lm.checkpoint import (
     self_check,
 )
 from smallstate_lm.errors import CheckpointError, ScoreError
-from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance, write_nbest_jsonl
+from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance, write_nbest_jsonl
 
 
 def overwrite_tensor_bytes(src: Path, dst: Path, data: bytes) -> list[str]:

@@ -1,4 +1,4 @@
-"""Text read a column at a time (rescoring/columns.py) as a line-by-line reader reads it field by field: the
+"""Text read a column at a time (rescoring/formats/columns.py) as a line-by-line reader reads it field by field: the
 whitespace it leaves to that reader is exactly what str.split sees beyond ASCII, its tokens are str.split's of
 str.splitlines', and strings are grouped exactly, also when their hashes collide."""
 
@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from smallstate_lm.rescoring.columns import NON_ASCII_SPACE, group, split_tokens, strings
+from smallstate_lm.rescoring.formats.columns import NON_ASCII_SPACE, group, split_tokens, strings
 
 
 def test_the_whitespace_left_to_the_line_reader_is_what_str_split_sees():

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from smallstate_lm.errors import SmallstateError
-from smallstate_lm.rescoring.confidence_eval import (
+from smallstate_lm.rescoring.decode.confidence_eval import (
     ece,
     evaluate_confidences,
     label_transcripts,
@@ -15,7 +15,7 @@ from smallstate_lm.rescoring.confidence_eval import (
     reliability,
     reliability_table,
 )
-from smallstate_lm.rescoring.wer import correct_words
+from smallstate_lm.rescoring.decode.wer import correct_words
 
 
 def test_correct_words_follow_the_wer_alignment():

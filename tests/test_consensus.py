@@ -12,15 +12,15 @@ import pytest
 from test_posteriors import random_dag
 
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.consensus import aligned_confidences, consensus
-from smallstate_lm.rescoring.kbest import Dag
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_decode import decode_lattice, first_pass_decode, word_confidences
-from smallstate_lm.rescoring.lattice_expand import LatticeRescorer
-from smallstate_lm.rescoring.lattice_io import read_fst, read_fst_text, read_slf
-from smallstate_lm.rescoring.posteriors import forward_backward
-from smallstate_lm.rescoring.wer import align_counts
-from smallstate_lm.scoring import Weights
+from smallstate_lm.rescoring.decode.consensus import aligned_confidences, consensus
+from smallstate_lm.rescoring.decode.posteriors import forward_backward
+from smallstate_lm.rescoring.decode.transcript import decode_lattice, first_pass_decode, word_confidences
+from smallstate_lm.rescoring.decode.wer import align_counts
+from smallstate_lm.rescoring.expand.rescorer import LatticeRescorer
+from smallstate_lm.rescoring.formats.lattice_io import read_fst, read_fst_text, read_slf
+from smallstate_lm.rescoring.lattices.kbest import Dag
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
+from smallstate_lm.weights import Weights
 
 LAT_DIR = Path(__file__).resolve().parent / "data" / "lattices"
 
@@ -75,7 +75,7 @@ def sausage(seed: int) -> tuple[Dag, list[list[int]]]:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_on_sausage_lattices_consensus_equals_exhaustive_bayes_risk_minimisation(seed):
-    """Where the method is provably exact (consensus.py's docstring: disjoint positions, no epsilon
+    """Where the method is provably exact (decode/consensus.py's docstring: disjoint positions, no epsilon
     alternative), it finds the word string of least expected edit distance among all strings of the
     lattice's words up to one word longer than its paths, from any start, and its risk is that exact one."""
     dag, positions = sausage(seed)

@@ -18,9 +18,10 @@ from test_state_contract import IDS, VARIANTS, shrunk
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.device import PRECISIONS
 from smallstate_lm.models import build_model
-from smallstate_lm.rescoring.nbest_io import read_nbest
-from smallstate_lm.scoring import NeuralScorer, Weights
+from smallstate_lm.rescoring.nbest.lists import read_nbest
+from smallstate_lm.scoring.scorer import NeuralScorer
 from smallstate_lm.vocab import Vocabulary
+from smallstate_lm.weights import Weights
 
 # Another device can stand in (SMALLSTATE_TEST_DEVICE=cpu checks the tests themselves without a GPU).
 DEV = os.environ.get("SMALLSTATE_TEST_DEVICE", "cuda")
@@ -181,9 +182,9 @@ def test_training_on_cuda_under_bf16_autocast_loads_on_cpu(small_corpus, tmp_pat
 
 
 def test_lattice_rescoring_on_cuda_matches_cpu(tiny_lm_dir):
-    from smallstate_lm.rescoring.lattice import SymbolTable
-    from smallstate_lm.rescoring.lattice_expand import ExpandConfig, build_rescorer
-    from smallstate_lm.rescoring.lattice_io import read_fst
+    from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, build_rescorer
+    from smallstate_lm.rescoring.formats.lattice_io import read_fst
+    from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
     lat_dir = REPO / "lattices"
     syms = SymbolTable.read(lat_dir / "words.txt")

@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 
 from smallstate_lm.errors import ConfigError
-from smallstate_lm.rescoring.tune_decode import MBR_GRID, POSTERIOR_GRID
+from smallstate_lm.rescoring.runs.tune_decode import MBR_GRID, POSTERIOR_GRID
 from smallstate_lm.weights import Weights
 
 LATTICES = Path(__file__).resolve().parent.parent / "lattices"

@@ -11,12 +11,13 @@ from conftest import TEST_DATA, run_cli
 
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.ngram import NgramLM, build_ngram
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer
-from smallstate_lm.rescoring.lattice_io import read_fst, read_fst_text
-from smallstate_lm.rescoring.nbest import compute_components, totals
-from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-from smallstate_lm.scoring import NeuralScorer, Weights
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer
+from smallstate_lm.rescoring.formats.lattice_io import read_fst, read_fst_text
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
+from smallstate_lm.rescoring.nbest.components import compute_components, totals
+from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance
+from smallstate_lm.scoring.scorer import NeuralScorer
+from smallstate_lm.weights import Weights
 
 LAT_DIR = TEST_DATA / "lattices"
 
@@ -157,7 +158,7 @@ def test_lm_weight_zero_gives_the_first_pass_best_path(path, bigram):
 
 
 def test_rescored_lattice_round_trips_and_keeps_the_best_path(tmp_path, tiny_lm_dir, bigram):
-    from smallstate_lm.rescoring.lattice_io import write_fst
+    from smallstate_lm.rescoring.formats.lattice_io import write_fst
 
     path = _dev_lattices()[0]
     sym = SymbolTable.read(LAT_DIR / "words.txt")
@@ -187,7 +188,7 @@ def test_cli_rescores_lattices_and_skips_a_broken_one(tmp_path, tiny_lm_dir, ken
 
 
 def test_slf_and_fst_versions_rescore_alike(tiny_lm_dir, bigram):
-    from smallstate_lm.rescoring.lattice_io import read_slf
+    from smallstate_lm.rescoring.formats.lattice_io import read_slf
 
     sym = SymbolTable.read(LAT_DIR / "words.txt")
     lm = load_model(tiny_lm_dir)

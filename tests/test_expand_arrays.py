@@ -14,9 +14,9 @@ from test_kaldi_archive import random_lattice
 
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.lattice import LatticeFormatError, LatticeWarning, SymbolTable
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer
-from smallstate_lm.rescoring.lattice_io import read_lattice
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer
+from smallstate_lm.rescoring.formats.lattice_io import read_lattice
+from smallstate_lm.rescoring.lattices.lattice import LatticeFormatError, LatticeWarning, SymbolTable
 from smallstate_lm.weights import Weights
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def test_short_histories_merge_only_on_their_whole_history(tmp_path):
     the key of a history shorter than 3 words is all of it (the per-state expansion cut
     such histories to a wrapped-around suffix, (a, x) and (b, x) both to (x,))."""
     from smallstate_lm.ngram import build_ngram
-    from smallstate_lm.rescoring.lattice_io import read_fst_text
+    from smallstate_lm.rescoring.formats.lattice_io import read_fst_text
 
     (tmp_path / "t.txt").write_text("a x y\nb x y\n" * 3)
     build_ngram(tmp_path / "t.txt", 2, tmp_path / "lm.arpa")
@@ -148,7 +148,7 @@ def test_nbest_zero_writes_best_txt_without_an_nbest_list(tmp_path, kenlm_model)
 
 def test_a_lattice_without_arcs_expands_alone_and_beside_others(lats, kenlm_model):
     """A one-state lattice (start = final, no arcs) gives its </s> path, alone and in a batch."""
-    from smallstate_lm.rescoring.lattice import Lattice
+    from smallstate_lm.rescoring.lattices.lattice import Lattice
 
     sym = lats[0].symbols
     empty = Lattice(name="empty", num_states=1, start=0, src=np.zeros(0, dtype=np.int64),

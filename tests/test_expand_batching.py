@@ -9,8 +9,8 @@ import pytest
 from test_expand_arrays import ARRAYS, W, lattices
 
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_word_flags_look_at_the_ids_asked_and_match_is_word():
 
 
 def test_the_ngram_answer_table_finds_every_key_given_and_stays_in_few_runs():
-    from smallstate_lm.rescoring.lm_cache import SortedRuns
+    from smallstate_lm.rescoring.expand.lm_cache import SortedRuns
 
     rng = np.random.default_rng(0)
     table, ref = SortedRuns(), {}
@@ -139,7 +139,7 @@ def test_a_wide_level_keeps_its_best_states_within_max_level_bytes(kenlm_model, 
     """A fan lattice (every history followed by many words): under max_level_bytes a level keeps its best
     states only, says it pruned harder, and still finds a complete path."""
     from smallstate_lm.checkpoint import load_model
-    from smallstate_lm.rescoring.lattice_io import read_fst_text
+    from smallstate_lm.rescoring.formats.lattice_io import read_fst_text
 
     lm, ngram = load_model(tiny_lm_dir), NgramLM(kenlm_model)
     words = [w for w in lm.vocab.words[4:] if w in ngram][:60]

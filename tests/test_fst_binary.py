@@ -1,4 +1,4 @@
-"""The binary OpenFST reader and writer (fst_binary.py) against kaldifst, which stays the reference here only."""
+"""The binary OpenFST reader and writer (rescoring/formats/fst_binary.py) against kaldifst, the reference here only."""
 
 import struct
 import warnings
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import REPO, TEST_DATA
 
-from smallstate_lm.rescoring.fst_binary import read_fst_bytes, read_fst_raw, write_fst_bytes
-from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
-from smallstate_lm.rescoring.lattice_io import read_fst, read_fst_text, write_fst
+from smallstate_lm.rescoring.formats.fst_binary import read_fst_bytes, read_fst_raw, write_fst_bytes
+from smallstate_lm.rescoring.formats.lattice_io import read_fst, read_fst_text, write_fst
+from smallstate_lm.rescoring.lattices.lattice import Lattice, LatticeFormatError, SymbolTable
 
 BUNDLED = sorted((REPO / "lattices").glob("*.fst")) + sorted((TEST_DATA / "lattices").glob("*.fst"))
 IDS = [f"{p.parent.parent.name}/{p.name}" for p in BUNDLED]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from smallstate_lm.rescoring.fst_text import _FstTextLines, fst_text_columns, lattice_to_text, read_fst_text
-from smallstate_lm.rescoring.lattice import LatticeFormatError, SymbolTable
-from smallstate_lm.rescoring.lattice_io import read_fst
-from smallstate_lm.scoring import trie_size, trie_sizes
+from smallstate_lm.rescoring.formats.fst_text import _FstTextLines, fst_text_columns, lattice_to_text, read_fst_text
+from smallstate_lm.rescoring.formats.lattice_io import read_fst
+from smallstate_lm.rescoring.lattices.lattice import LatticeFormatError, SymbolTable
+from smallstate_lm.scoring.trie import trie_size, trie_sizes
 
 FIELDS = ("src", "dst", "word", "graph", "acoustic", "final_graph", "final_acoustic")
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import run_cli
 
-from smallstate_lm.rescoring.k2_lattice import K2Writer, k2_dict, read_k2, write_k2
-from smallstate_lm.rescoring.lattice import LatticeFormatError, Ragged, SymbolTable
-from smallstate_lm.rescoring.lattice_formats import lattice_format
-from smallstate_lm.rescoring.lattice_io import lattice_inputs, read_fst, read_lattice
+from smallstate_lm.rescoring.formats.k2 import K2Writer, k2_dict, read_k2, write_k2
+from smallstate_lm.rescoring.formats.lattice_io import lattice_inputs, read_fst, read_lattice
+from smallstate_lm.rescoring.formats.resolve import lattice_format
+from smallstate_lm.rescoring.lattices.lattice import LatticeFormatError, Ragged, SymbolTable
 
 LATTICES = Path(__file__).resolve().parents[1] / "lattices"
 WORDS = LATTICES / "words.txt"

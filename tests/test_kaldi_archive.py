@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from conftest import REPO, TEST_DATA
 
-from smallstate_lm.rescoring.kaldi_write import KaldiArchiveWriter, kaldi_lattice_bytes, kaldi_lattice_text
-from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, Ragged, SymbolTable
-from smallstate_lm.rescoring.lattice_formats import (
+from smallstate_lm.rescoring.formats.kaldi.write import KaldiArchiveWriter, kaldi_lattice_bytes, kaldi_lattice_text
+from smallstate_lm.rescoring.formats.lattice_io import lattice_inputs, read_fst, read_lattice, read_slf
+from smallstate_lm.rescoring.formats.resolve import (
     lattice_format,
     looks_like_kaldi_archive,
     parse_rspecifier,
     utterance_id,
 )
-from smallstate_lm.rescoring.lattice_io import lattice_inputs, read_fst, read_lattice, read_slf
+from smallstate_lm.rescoring.lattices.lattice import Lattice, LatticeFormatError, Ragged, SymbolTable
 
 KALDI = TEST_DATA / "kaldi"
 BUNDLED = REPO / "lattices"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from smallstate_lm.rescoring.kaldi_write import KaldiArchiveWriter
-from smallstate_lm.rescoring.lattice import Ragged, SymbolTable
-from smallstate_lm.rescoring.lattice_io import lattice_inputs, read_fst
+from smallstate_lm.rescoring.formats.kaldi.write import KaldiArchiveWriter
+from smallstate_lm.rescoring.formats.lattice_io import lattice_inputs, read_fst
+from smallstate_lm.rescoring.lattices.lattice import Ragged, SymbolTable
 
 LATTICES = Path(__file__).resolve().parents[1] / "lattices"
 WORDS = LATTICES / "words.txt"

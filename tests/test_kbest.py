@@ -11,11 +11,11 @@ import pytest
 from reference_expansion import reference_nbest
 
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.kbest import Dag, KbestTruncated, kbest_paths, nbest_paths
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_expand import LatticeRescorer
-from smallstate_lm.rescoring.lattice_io import read_fst
-from smallstate_lm.scoring import Weights
+from smallstate_lm.rescoring.expand.rescorer import LatticeRescorer
+from smallstate_lm.rescoring.formats.lattice_io import read_fst
+from smallstate_lm.rescoring.lattices.kbest import Dag, KbestTruncated, kbest_paths, nbest_paths
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
+from smallstate_lm.weights import Weights
 
 LATTICES = Path(__file__).resolve().parent.parent / "lattices"
 ALL = 10_000

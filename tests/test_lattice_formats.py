@@ -11,10 +11,10 @@ import pytest
 from conftest import REPO, TEST_DATA
 
 from smallstate_lm.cli import main
-from smallstate_lm.rescoring.kaldi_write import KaldiArchiveWriter
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_formats import resolve_input, utterance_id
-from smallstate_lm.rescoring.lattice_io import read_fst
+from smallstate_lm.rescoring.formats.kaldi.write import KaldiArchiveWriter
+from smallstate_lm.rescoring.formats.lattice_io import read_fst
+from smallstate_lm.rescoring.formats.resolve import resolve_input, utterance_id
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
 BUNDLED = REPO / "lattices"
 KALDI = TEST_DATA / "kaldi"

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from conftest import TEST_DATA
 
-from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, LatticeWarning, SymbolTable
-from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst, read_fst_text, read_slf, write_fst
+from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst, read_fst_text, read_slf, write_fst
+from smallstate_lm.rescoring.lattices.lattice import Lattice, LatticeFormatError, LatticeWarning, SymbolTable
 
 LAT = TEST_DATA / "lattices"
 NAMES = ["slt-dev0000", "slt-dev0004", "kal-dev0001", "kal-dev0004"]

@@ -5,9 +5,9 @@ from pathlib import Path
 
 from conftest import run_cli
 
-from smallstate_lm.rescoring.kaldi_write import KaldiArchiveWriter
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_io import read_fst
+from smallstate_lm.rescoring.formats.kaldi.write import KaldiArchiveWriter
+from smallstate_lm.rescoring.formats.lattice_io import read_fst
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
 LATTICES = Path(__file__).resolve().parents[1] / "lattices"
 

@@ -10,7 +10,8 @@ from conftest import TEST_DATA, run_cli
 
 from smallstate_lm.errors import ConfigError
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.nbest import (
+from smallstate_lm.rescoring.decode.wer import align_counts, pairwise_errors
+from smallstate_lm.rescoring.nbest.components import (
     Components,
     apply_weights,
     compute_components,
@@ -18,10 +19,9 @@ from smallstate_lm.rescoring.nbest import (
     ranking,
     totals,
 )
-from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance, read_nbest, read_text
-from smallstate_lm.rescoring.tune import MBR_GRID, _Stack, hypothesis_errors, tune
-from smallstate_lm.rescoring.wer import align_counts, pairwise_errors
-from smallstate_lm.scoring import Weights, weight_vector
+from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance, read_nbest, read_text
+from smallstate_lm.rescoring.runs.tune import MBR_GRID, _Stack, hypothesis_errors, tune
+from smallstate_lm.weights import Weights, weight_vector
 
 # One outlier with the best score, three hypotheses that agree with each other.
 WORDS = [["x", "y", "z"], ["a", "b", "c"], ["a", "b", "d"], ["a", "e", "c"]]

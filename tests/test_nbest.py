@@ -9,8 +9,9 @@ from conftest import TEST_DATA
 from smallstate_lm.checkpoint import load_model
 from smallstate_lm.errors import ConfigError, SmallstateError, VocabularyError
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.nbest import apply_weights, compute_components
-from smallstate_lm.rescoring.nbest_io import (
+from smallstate_lm.rescoring.decode.wer import align_counts
+from smallstate_lm.rescoring.nbest.components import apply_weights, compute_components
+from smallstate_lm.rescoring.nbest.lists import (
     Hypothesis,
     NBestFormatError,
     Utterance,
@@ -19,8 +20,8 @@ from smallstate_lm.rescoring.nbest_io import (
     read_text,
     write_nbest_jsonl,
 )
-from smallstate_lm.rescoring.wer import align_counts
-from smallstate_lm.scoring import NeuralScorer, Weights, count_oov, oov_counts
+from smallstate_lm.scoring.scorer import NeuralScorer
+from smallstate_lm.weights import Weights, count_oov, oov_counts
 
 HEADER = "utt\trank\ttotal_cost\tac_logprob\tlm_logprob_ln\tn_words\twords\n"
 
@@ -131,7 +132,7 @@ def test_linear_interpolation_mixes_probabilities_per_word(tiny_lm_dir, kenlm_mo
     lm = load_model(tiny_lm_dir)
     comps, _ = compute_components(utts[:2], NeuralScorer(lm.model, lm.vocab), NgramLM(kenlm_model), progress=False)
     c = comps[0]
-    from smallstate_lm.rescoring.nbest import linear_lm
+    from smallstate_lm.rescoring.nbest.components import linear_lm
 
     assert np.allclose(linear_lm(c, 1.0), c.neural) and np.allclose(linear_lm(c, 0.0), c.ngram)
     mid = linear_lm(c, 0.3)

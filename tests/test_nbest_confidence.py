@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import TEST_DATA, run_cli
 
-from smallstate_lm.rescoring.nbest_confidence import list_confidences
+from smallstate_lm.rescoring.nbest.confidence import list_confidences
 
 
 def _softmax(x):

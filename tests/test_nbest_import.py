@@ -12,7 +12,7 @@ from conftest import REPO, TEST_DATA, run_cli
 
 from smallstate_lm.errors import ConfigError
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.nbest_import import (
+from smallstate_lm.rescoring.nbest.formats import (
     FORMATS,
     NBEST_FORMATS,
     ImportOptions,
@@ -22,7 +22,7 @@ from smallstate_lm.rescoring.nbest_import import (
     parse_number,
     read_nbest_inputs,
 )
-from smallstate_lm.rescoring.nbest_io import Hypothesis, NBestFormatError, Utterance, read_nbest_jsonl
+from smallstate_lm.rescoring.nbest.lists import Hypothesis, NBestFormatError, Utterance, read_nbest_jsonl
 
 DATA = TEST_DATA / "nbest_import"
 ESPNET = DATA / "espnet" / "decode_asr_lm"

@@ -8,7 +8,8 @@ from test_cuda import _hypotheses
 from test_state_contract import shrunk
 
 from smallstate_lm.models import build_model
-from smallstate_lm.scoring import NeuralScorer, PathCosts
+from smallstate_lm.scoring.paths import PathCosts
+from smallstate_lm.scoring.scorer import NeuralScorer
 
 TOL = 1e-5
 
@@ -71,7 +72,7 @@ def test_nothing_is_measured_without_prefix_sharing(setup):
 def test_the_commands_measure_paths_on_cuda_only_and_can_be_told_not_to(tiny_lm_dir, tmp_path):
     from conftest import TEST_DATA, run_cli
 
-    from smallstate_lm.rescoring.nbest_run import NBestScoring, load_scorers
+    from smallstate_lm.rescoring.runs.nbest_run import NBestScoring, load_scorers
 
     scorer, _ = load_scorers(NBestScoring(lm=tiny_lm_dir, device="cpu", progress=False))
     assert scorer.path_costs is None, "on a CPU tree attention is taken without measuring"

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from conftest import DATA, REPO, run_cli
 
-from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
-from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst, read_slf, read_slf_text
-from smallstate_lm.scoring import check_overlap
+from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst, read_slf, read_slf_text
+from smallstate_lm.rescoring.lattices.lattice import Lattice, SymbolTable
+from smallstate_lm.weights import check_overlap
 
 EXAMPLE = REPO / "examples" / "pocketsphinx"
 sys.path.insert(0, str(EXAMPLE))  # decode.py imports its neighbour audio16k.py

@@ -9,13 +9,13 @@ import pytest
 
 from smallstate_lm.errors import SmallstateError
 from smallstate_lm.ngram import NgramLM
-from smallstate_lm.rescoring.graph import state_levels
-from smallstate_lm.rescoring.kbest import Dag
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_expand import LatticeRescorer
-from smallstate_lm.rescoring.lattice_io import read_fst
-from smallstate_lm.rescoring.posteriors import first_pass_dag, forward_backward, source_arc_posteriors
-from smallstate_lm.scoring import Weights
+from smallstate_lm.rescoring.decode.posteriors import first_pass_dag, forward_backward, source_arc_posteriors
+from smallstate_lm.rescoring.expand.rescorer import LatticeRescorer
+from smallstate_lm.rescoring.formats.lattice_io import read_fst
+from smallstate_lm.rescoring.lattices.graph import state_levels
+from smallstate_lm.rescoring.lattices.kbest import Dag
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
+from smallstate_lm.weights import Weights
 
 LAT_DIR = Path(__file__).resolve().parent / "data" / "lattices"
 

@@ -111,8 +111,8 @@ def test_service_settings_take_a_precision():
 
 
 def test_lattice_rescorers_are_built_in_the_precision_asked(tiny_lm_dir, kenlm_model):
-    from smallstate_lm.rescoring.lattice_expand import ExpandConfig
-    from smallstate_lm.rescoring.lattice_run import build_lattice_rescorer
+    from smallstate_lm.rescoring.expand.rescorer import ExpandConfig
+    from smallstate_lm.rescoring.runs.lattice_run import build_lattice_rescorer
     from smallstate_lm.weights import Weights
 
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

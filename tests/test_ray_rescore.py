@@ -15,14 +15,14 @@ pytest.importorskip("ray.data")
 from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.errors import CheckpointError  # noqa: E402
 from smallstate_lm.ngram import NgramLM  # noqa: E402
-from smallstate_lm.rescoring.jobs import RescoreJob  # noqa: E402
-from smallstate_lm.rescoring.lattice import SymbolTable  # noqa: E402
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer  # noqa: E402
-from smallstate_lm.rescoring.lattice_files import rescore_lattice_files  # noqa: E402
-from smallstate_lm.rescoring.lattice_io import read_fst  # noqa: E402
-from smallstate_lm.rescoring.nbest_io import read_text  # noqa: E402
-from smallstate_lm.rescoring.ray_runner import RayCluster, rescore_lattice_files_ray  # noqa: E402
-from smallstate_lm.scoring import Weights  # noqa: E402
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer  # noqa: E402
+from smallstate_lm.rescoring.formats.lattice_io import read_fst  # noqa: E402
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable  # noqa: E402
+from smallstate_lm.rescoring.nbest.lists import read_text  # noqa: E402
+from smallstate_lm.rescoring.runs.jobs import RescoreJob  # noqa: E402
+from smallstate_lm.rescoring.runs.lattice_files import rescore_lattice_files  # noqa: E402
+from smallstate_lm.rescoring.runs.ray_runner import RayCluster, rescore_lattice_files_ray  # noqa: E402
+from smallstate_lm.weights import Weights  # noqa: E402
 
 # Starting Ray, its actors and the CLI subprocesses takes seconds each; a stuck cluster
 # must fail the test, not hang the suite.

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 from conftest import REPO, TEST_DATA, run_cli
 
-from smallstate_lm.rescoring.lattice import SymbolTable
-from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
-from smallstate_lm.rescoring.nbest_io import read_nbest
-from smallstate_lm.rescoring.wer import align_counts
+from smallstate_lm.rescoring.decode.wer import align_counts
+from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst
+from smallstate_lm.rescoring.lattices.lattice import SymbolTable
+from smallstate_lm.rescoring.nbest.lists import read_nbest
 
 LAT_DIR = TEST_DATA / "lattices"
 TOL = dict(rel=1e-5, abs=1e-4)  # float32 forward passes in different batch compositions
@@ -290,9 +290,10 @@ def _metric(text: str, name: str, **labels) -> float:
 def test_64_concurrent_clients(server, tiny_lm_dir, kenlm_model):
     from smallstate_lm.checkpoint import load_model
     from smallstate_lm.ngram import NgramLM
-    from smallstate_lm.rescoring.nbest import apply_weights, compute_components
-    from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-    from smallstate_lm.scoring import NeuralScorer, Weights
+    from smallstate_lm.rescoring.nbest.components import apply_weights, compute_components
+    from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance
+    from smallstate_lm.scoring.scorer import NeuralScorer
+    from smallstate_lm.weights import Weights
 
     base = read_nbest(TEST_DATA / "nbest.tsv")
     # 64 different small requests: 3..7 hypotheses of one utterance, some with their own weights

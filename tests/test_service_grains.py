@@ -147,8 +147,8 @@ def _dev_lattices_request(n: int) -> dict:
     """`n` of the test lattices as a client sends them: OpenFST text, words as labels."""
     from conftest import TEST_DATA
 
-    from smallstate_lm.rescoring.lattice import SymbolTable
-    from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
+    from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst
+    from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
     symbols = SymbolTable.read(TEST_DATA / "lattices" / "words.txt")
     utts = []

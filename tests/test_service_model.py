@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 from conftest import TEST_DATA
 
-from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
-from smallstate_lm.rescoring.lattice_expand import build_rescorer
-from smallstate_lm.rescoring.lattice_io import lattice_to_text, read_fst
-from smallstate_lm.scoring import Weights
+from smallstate_lm.rescoring.expand.rescorer import build_rescorer
+from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst
+from smallstate_lm.rescoring.lattices.lattice import Lattice, SymbolTable
 from smallstate_lm.service.errors import Unavailable
 from smallstate_lm.service.inputs import parse_lattice
 from smallstate_lm.service.model import Models
 from smallstate_lm.service.schemas import LatticeIn
 from smallstate_lm.service.settings import Settings
 from smallstate_lm.service.work import prepared
+from smallstate_lm.weights import Weights
 
 LAT_DIR = TEST_DATA / "lattices"
 WEIGHTS = {"default": Weights(), "other": Weights(lm_weight=0.3, ngram_weight=1.2, word_penalty=0.7)}
@@ -292,7 +292,7 @@ def test_the_worker_expands_a_group_of_lattices_as_many_at_a_time_as_fit_the_byt
     as fit max_request_bytes together (the server's setting), and both requests get their answers."""
     import dataclasses
 
-    from smallstate_lm.rescoring import lattice_expand
+    from smallstate_lm.rescoring.expand import rescorer as lattice_expand
     from smallstate_lm.service import inputs
     from smallstate_lm.service.batcher import Job
     from smallstate_lm.service.schemas import RescoreRequest

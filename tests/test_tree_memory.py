@@ -15,11 +15,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from smallstate_lm import scoring
 from smallstate_lm.errors import WorkLimitError
 from smallstate_lm.models import build_model, get_preset
 from smallstate_lm.models.transformer import tree_forest
-from smallstate_lm.scoring import DEFAULT_MAX_WORK_BYTES, NeuralScorer, PrefixTrie, trie_size
+from smallstate_lm.scoring import trie as scoring_trie
+from smallstate_lm.scoring.scorer import NeuralScorer
+from smallstate_lm.scoring.tree_attention import DEFAULT_MAX_WORK_BYTES
+from smallstate_lm.scoring.trie import PrefixTrie, trie_size
 from smallstate_lm.state import length_mask
 from smallstate_lm.vocab import EOS_ID, Vocabulary
 
@@ -171,7 +173,7 @@ def test_planned_sizes_are_those_of_the_tries_that_run():
     model = tiny_model()
     hyps = [VOCAB.encode(h) + [EOS_ID] for h in long_hypotheses(30, 40, seed=3)]
     hyps += [hyps[2][:7], hyps[2][:7], hyps[5][:1], hyps[5][:20] + [EOS_ID]]  # prefixes of others, a repeat
-    rows = NeuralScorer(model, VOCAB, max_work_bytes=256 * 1024)._split(0, hyps)
+    rows = NeuralScorer(model, VOCAB, max_work_bytes=256 * 1024).trees.split(0, hyps)
     assert len(rows) > 1 and sorted(j for r in rows for j in r.hyps) == list(range(len(hyps)))
     for row in rows:
         assert row.size == PrefixTrie([hyps[j] for j in row.hyps]).size
@@ -195,12 +197,12 @@ def test_sizes_from_the_caller_plan_as_the_scorers_own():
             assert (x == y).all()
 
 
-@pytest.mark.parametrize("small_tokens", [scoring.SMALL_TRIE_TOKENS, 0], ids=["plain-python", "arrays"])
+@pytest.mark.parametrize("small_tokens", [scoring_trie.SMALL_TRIE_TOKENS, 0], ids=["plain-python", "arrays"])
 def test_trie_sizes_from_sorted_arrays_are_those_of_the_tries(small_tokens, monkeypatch):
     """Admission sizes a request's tries without building them (`trie_size`): same nodes, depth and
     leaf paths as the trie, with prefixes of other hypotheses, repeats and shared stems; small inputs
     counted in plain Python, large ones with array operations."""
-    monkeypatch.setattr(scoring, "SMALL_TRIE_TOKENS", small_tokens)
+    monkeypatch.setattr(scoring_trie, "SMALL_TRIE_TOKENS", small_tokens)
     for seed in range(200):
         r = random.Random(seed)
         seqs = [[r.randrange(4) for _ in range(r.randrange(1, 8))] for _ in range(r.randrange(1, 30))]

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from smallstate_lm.rescoring.lattice import _reach, state_levels, viterbi
+from smallstate_lm.rescoring.lattices.lattice import _reach, state_levels, viterbi
 
 
 def _random_dag(rng, n):

@@ -61,9 +61,9 @@ from pathlib import Path
 import numpy as np
 from audio16k import AudioError, load_16k_mono
 
-from smallstate_lm.rescoring.lattice import LatticeFormatError, SymbolTable
-from smallstate_lm.rescoring.lattice_io import read_slf, write_fst
-from smallstate_lm.scoring import Weights
+from smallstate_lm.rescoring.formats.lattice_io import read_slf, write_fst
+from smallstate_lm.rescoring.lattices.lattice import LatticeFormatError, SymbolTable
+from smallstate_lm.weights import Weights
 
 CASE_MAPS = {"lower": str.lower, "upper": str.upper, "keep": lambda w: w}
 _ALT_PRON = re.compile(r"\(\d+\)$")

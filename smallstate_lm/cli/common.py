@@ -72,7 +72,7 @@ def check_precision(precision: str) -> None:
         raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
 
 
-# Options of the n-best inputs, shared by rescore and tune (rescoring/nbest_import.py, docs/nbest-inputs.md).
+# Options of the n-best inputs, shared by rescore and tune (rescoring/nbest/formats.py, docs/nbest-inputs.md).
 NBEST_FORMAT = typer.Option("auto", "--nbest-format", help="N-best inputs: auto (by content and layout), tsv, "
                             "jsonl, json, espnet (inference dir), nemo (beam-search candidates TSV), kaldi "
                             "(nbest-to-linear archives): docs/nbest-inputs.md.")

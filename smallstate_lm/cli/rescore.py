@@ -1,4 +1,4 @@
-"""`rescore` (n-best lists or lattices: `rescoring/nbest_run.py`, `rescoring/lattice_run.py`) and `wer`."""
+"""`rescore` (n-best lists or lattices: `rescoring/runs/nbest_run.py`, `rescoring/runs/lattice_run.py`) and `wer`."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def rescore(
                                               "(n-best lists: 0 = highest total; lattices with --decode mbr: 0 = "
                                               "--posterior-scale)."),
     decode: Optional[str] = typer.Option(None, "--decode", help="Lattices: viterbi (the best path) or mbr (the "
-                                         "consensus: fewest expected word errors, rescoring/consensus.py) "
+                                         "consensus: fewest expected word errors, rescoring/decode/consensus.py) "
                                          "[default: from --weights, else viterbi]."),
     posterior_scale: Optional[float] = typer.Option(None, "--posterior-scale", help="Lattices: scale of the "
                                                     "weighted total in the posteriors behind word confidences (and "
@@ -86,8 +86,8 @@ def rescore(
     nbest.jsonl, rescored lattices (lattices/) and, with --refs, wer.txt; lattices also give word confidences
     (nbest.jsonl, best.ctm)."""
     from ..files import check_output_dir
-    from ..rescoring.lattice_run import classify_inputs
-    from ..rescoring.nbest_io import read_text
+    from ..rescoring.nbest.lists import read_text
+    from ..rescoring.runs.lattice_run import classify_inputs
 
     check_output_dir(out, ConfigError)
     check_precision(precision)
@@ -97,9 +97,9 @@ def rescore(
     w = load_weights(weights, set_, direct)
     ref = read_text(refs) if refs else None
     if lattices and nbest_format == "auto":
-        from ..rescoring.lattice_expand import ExpandConfig
-        from ..rescoring.lattice_files import CtmOptions, RunOptions
-        from ..rescoring.lattice_run import LatticeRun
+        from ..rescoring.expand.rescorer import ExpandConfig
+        from ..rescoring.runs.lattice_files import CtmOptions, RunOptions
+        from ..rescoring.runs.lattice_run import LatticeRun
 
         if w.mbr_scale > 0 and w.decode == "viterbi":
             note("mbr_scale applies to n-best lists and to lattices with --decode mbr; these are decoded by their "
@@ -116,8 +116,8 @@ def rescore(
     if w.decode != "viterbi":
         note("decode applies to lattices; n-best lists are ranked by total, or by minimum Bayes risk with "
              "--mbr-scale")
-    from ..rescoring.nbest_import import ImportOptions
-    from ..rescoring.nbest_run import NBestScoring, rescore_nbest_files
+    from ..rescoring.nbest.formats import ImportOptions
+    from ..rescoring.runs.nbest_run import NBestScoring, rescore_nbest_files
 
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
     scoring = NBestScoring(lm, ngram, device, batch_tokens, not no_prefix_sharing, progress=not quiet,
@@ -127,7 +127,7 @@ def rescore(
 
 def _rescore_lattices(sources, run, out: Path, ref) -> None:
     """Run, report each lattice that failed as it fails, then the summary; exit 2 when any failed."""
-    from ..rescoring.lattice_run import rescore_lattice_run
+    from ..rescoring.runs.lattice_run import rescore_lattice_run
 
     errors = []
 
@@ -149,8 +149,8 @@ def wer(
     hyp: Path = typer.Option(..., "--hyp", help="Hypothesis text, same format."),
 ):
     """Corpus WER with substitutions, deletions and insertions."""
-    from ..rescoring.nbest_io import read_text
-    from ..rescoring.wer import corpus_wer
+    from ..rescoring.decode.wer import corpus_wer
+    from ..rescoring.nbest.lists import read_text
 
     total, _ = corpus_wer(read_text(ref), read_text(hyp))
     typer.echo(f"%WER {100 * total.wer:.2f} [ {total.errors} / {total.ref_words}, {total.ins} ins, "

@@ -1,4 +1,4 @@
-"""`tune`: interpolation weights searched on dev n-best lists or dev lattices (`rescoring/tune_run.py`)."""
+"""`tune`: interpolation weights searched on dev n-best lists or dev lattices (`rescoring/runs/tune_run.py`)."""
 
 from __future__ import annotations
 
@@ -63,9 +63,9 @@ def tune(
 ):
     """Tune interpolation weights on a dev set and write the best to a JSON file (lattices: also the decode and
     the posterior scale of word confidences)."""
-    from ..rescoring.lattice_run import split_lattice_inputs
-    from ..rescoring.tune import plot_surface, surface_text
-    from ..rescoring.tune_run import tune_search
+    from ..rescoring.runs.lattice_run import split_lattice_inputs
+    from ..rescoring.runs.tune import plot_surface, surface_text
+    from ..rescoring.runs.tune_run import tune_search
 
     check_precision(precision)
     base = load_weights(weights, set_)
@@ -82,10 +82,10 @@ def tune(
         if mbr:
             raise ConfigError("--mbr tunes the choice among n-best hypotheses; for lattices choose the consensus "
                               "decode with --decode viterbi,mbr")
-        from ..rescoring.lattice_expand import ExpandConfig
-        from ..rescoring.lattice_run import LatticeRun
-        from ..rescoring.tune_decode import parse_decodes
-        from ..rescoring.tune_run import tune_lattice_files
+        from ..rescoring.expand.rescorer import ExpandConfig
+        from ..rescoring.runs.lattice_run import LatticeRun
+        from ..rescoring.runs.tune_decode import parse_decodes
+        from ..rescoring.runs.tune_run import tune_lattice_files
 
         plan = dataclasses.replace(plan, decodes=parse_decodes(decode or "viterbi"))
         run = LatticeRun(words, lm, ngram, expand=ExpandConfig(max_ngram_order=None if exact else max_ngram_order),
@@ -102,9 +102,9 @@ def tune(
     if decode is not None:
         raise ConfigError("--decode chooses how lattices are decoded; n-best lists choose by minimum Bayes risk "
                           "with --mbr")
-    from ..rescoring.nbest_import import ImportOptions
-    from ..rescoring.nbest_run import NBestScoring
-    from ..rescoring.tune_run import tune_nbest_files
+    from ..rescoring.nbest.formats import ImportOptions
+    from ..rescoring.runs.nbest_run import NBestScoring
+    from ..rescoring.runs.tune_run import tune_nbest_files
 
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
     scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet, precision=precision,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from smallstate_lm.device import fastest_seconds
-from smallstate_lm.rescoring.lattice import Lattice
+from smallstate_lm.rescoring.lattices.lattice import Lattice
 
 
 @dataclass

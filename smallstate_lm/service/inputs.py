@@ -8,11 +8,11 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from smallstate_lm.rescoring.fst_text import FstTextColumns, fst_text_columns
-from smallstate_lm.rescoring.lattice import Lattice, LatticeFormatError, SymbolTable
-from smallstate_lm.rescoring.lattice_io import read_fst_text, read_slf_text
-from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-from smallstate_lm.scoring import TreeSize
+from smallstate_lm.rescoring.formats.fst_text import FstTextColumns, fst_text_columns
+from smallstate_lm.rescoring.formats.lattice_io import read_fst_text, read_slf_text
+from smallstate_lm.rescoring.lattices.lattice import Lattice, LatticeFormatError, SymbolTable
+from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance
+from smallstate_lm.scoring.trie import TreeSize
 
 from .cost import lattice_shape
 from .errors import CostLimitError, LimitError, ServiceError

@@ -14,9 +14,10 @@ import torch
 from smallstate_lm.device import pick_device
 from smallstate_lm.errors import ConfigError
 from smallstate_lm.lms import load_lms
-from smallstate_lm.rescoring.lattice import LatticeWarning
-from smallstate_lm.rescoring.lattice_expand import ExpandConfig, LatticeRescorer, build_rescorer
-from smallstate_lm.scoring import NeuralScorer, Weights, oov_reference
+from smallstate_lm.rescoring.expand.rescorer import ExpandConfig, LatticeRescorer, build_rescorer
+from smallstate_lm.rescoring.lattices.lattice import LatticeWarning
+from smallstate_lm.scoring.scorer import NeuralScorer
+from smallstate_lm.weights import Weights, oov_reference
 
 from .cost import CostModel, calibrate
 from .metrics import Metrics

@@ -11,10 +11,10 @@ from typing import Literal
 
 import numpy as np
 
-from smallstate_lm.rescoring.lattice_decode import Decoded
-from smallstate_lm.rescoring.nbest import Components, hypothesis_scores, ranking
-from smallstate_lm.rescoring.nbest_confidence import list_confidences
-from smallstate_lm.scoring import Weights, oov_counts
+from smallstate_lm.rescoring.decode.transcript import Decoded
+from smallstate_lm.rescoring.nbest.components import Components, hypothesis_scores, ranking
+from smallstate_lm.rescoring.nbest.confidence import list_confidences
+from smallstate_lm.weights import Weights, oov_counts
 
 from .batcher import Job
 from .errors import ServiceError

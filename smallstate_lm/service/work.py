@@ -14,14 +14,15 @@ from typing import Any, Literal
 import numpy as np
 
 from smallstate_lm.errors import ConfigError, SmallstateError
-from smallstate_lm.rescoring.kbest import ScoredPath
-from smallstate_lm.rescoring.lattice import Lattice, SymbolTable
-from smallstate_lm.rescoring.lattice_decode import Decoded
-from smallstate_lm.rescoring.lattice_io import read_fst_text
-from smallstate_lm.rescoring.nbest import Components
-from smallstate_lm.rescoring.nbest_io import Hypothesis, Utterance
-from smallstate_lm.scoring import TreeSize, Weights, check_overlap, trie_sizes
+from smallstate_lm.rescoring.decode.transcript import Decoded
+from smallstate_lm.rescoring.formats.lattice_io import read_fst_text
+from smallstate_lm.rescoring.lattices.kbest import ScoredPath
+from smallstate_lm.rescoring.lattices.lattice import Lattice, SymbolTable
+from smallstate_lm.rescoring.nbest.components import Components
+from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance
+from smallstate_lm.scoring.trie import TreeSize, trie_sizes
 from smallstate_lm.vocab import EOS_ID
+from smallstate_lm.weights import Weights, check_overlap
 
 from .cost import LatticeShape, lattice_shape
 from .errors import ServiceError

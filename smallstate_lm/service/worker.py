@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from smallstate_lm.errors import SmallstateError
-from smallstate_lm.rescoring.lattice_decode import decode_lattice
-from smallstate_lm.rescoring.nbest import Components, compute_components, first_pass_components
-from smallstate_lm.scoring import check_overlap, sorted_groups
+from smallstate_lm.rescoring.decode.transcript import decode_lattice
+from smallstate_lm.rescoring.nbest.components import Components, compute_components, first_pass_components
+from smallstate_lm.scoring.trie import sorted_groups
+from smallstate_lm.weights import check_overlap
 
 from .batcher import Job, drop_expired
 from .errors import DeadlineExceeded, ServiceError, Unavailable
