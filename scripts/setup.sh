@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian machine: .venv with torch==2.13.0 first (a
 # looser spec would pull CUDA wheels), the project with its dev extras, and KenLM's
-# lmplz/build_binary built from the kenlm source archive on PyPI into .venv/bin.
+# lmplz/build_binary built from the kenlm source archive (fetched with pip) into .venv/bin.
 # A second run only checks stamps and takes seconds.
 set -euo pipefail
 
@@ -54,14 +54,12 @@ fi
 if [ ! -x "$VENV/bin/lmplz" ] || [ ! -x "$VENV/bin/build_binary" ]; then
   mkdir -p "$BUILD_DIR"
   archive="$BUILD_DIR/kenlm-$KENLM_VERSION.tar.gz"
-  if [ ! -f "$archive" ] || ! echo "$KENLM_SHA256  $archive" | sha256sum -c --quiet 2>/dev/null; then
-    log "fetching the kenlm $KENLM_VERSION source archive from PyPI"
-    url="$(curl -fsSL -m 60 https://pypi.org/simple/kenlm/ | grep -o "https://[^\"#]*kenlm-$KENLM_VERSION.tar.gz" | head -n1 || true)"
-    if [ -n "$url" ]; then
-      curl -fsSL -m 300 -o "$archive.tmp" "$url" && mv "$archive.tmp" "$archive"
-    else
-      "$PY" -m pip download -q --no-deps --no-binary :all: "kenlm==$KENLM_VERSION" -d "$BUILD_DIR"
-    fi
+  if [ ! -f "$archive" ] || ! echo "$KENLM_SHA256  $archive" | sha256sum -c --quiet >/dev/null 2>&1; then
+    # through pip's own configuration (its index, proxy and certificates); a bad archive is removed first, as pip
+    # would take a file already there. --no-binary kenlm, not :all:, or pip builds the build tools (cmake) from source.
+    log "fetching the kenlm $KENLM_VERSION source archive with pip"
+    rm -f "$archive"
+    "$PY" -m pip download -q --no-deps --no-binary kenlm "kenlm==$KENLM_VERSION" -d "$BUILD_DIR"
     echo "$KENLM_SHA256  $archive" | sha256sum -c --quiet
   fi
   log "building lmplz and build_binary (about a minute)"

@@ -96,8 +96,8 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
                                      s.max_request_seconds)
             items.append(item)
         fields.append(where)
-    work = make_work(models, "rescore", items, fields, weights, body.nbest, body.return_token_logprobs, sizes,
-                     s.max_request_bytes)
+    work = make_work(models, Work("rescore", weights, items, fields, nbest=body.nbest,
+                                  token_logprobs=body.return_token_logprobs), sizes, s.max_request_bytes)
     _check_cost(work, "utterances", s)
     return work
 
@@ -190,7 +190,7 @@ def score_work(body: ScoreRequest, models: Models, s: Settings) -> Work:
                              f"sentences[{i}]", s.max_words)
         items.append(nbest_item(Utterance(str(i), [Hypothesis(words=words)]), []))
         fields.append(f"sentences[{i}]")
-    work = make_work(models, "score", items, fields, models.weights, token_logprobs=body.return_token_logprobs)
+    work = make_work(models, Work("score", models.weights, items, fields, token_logprobs=body.return_token_logprobs))
     _check_cost(work, "sentences", s)
     return work
 

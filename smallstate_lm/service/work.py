@@ -148,14 +148,16 @@ def _item(plain: Utterance, context: list[str], ids: list[str]) -> NbestItem:
     return NbestItem(scored=scored, plain=plain, ids=ids, context=len(context))
 
 
-def make_work(models: Models, kind: Literal["rescore", "score"], items: list[NbestItem | PricedList | LatticeItem],
-              fields: list[str], weights: Weights, nbest: int | None = None, token_logprobs: bool = False,
-              sizes: list[TreeSize | None] | None = None, max_bytes: int | None = None) -> Work:
-    """A request's work with its token counts (the tokens its hypotheses have, the ones a
-    prefix-sharing scorer computes), lattice arcs, and predicted seconds and bytes. `sizes`: the hypothesis
-    lists' `trie_sizes`, in order, when already worked out; `max_bytes`: the request's byte limit, which sets how
-    many of its lattices are expanded together (default: the server's `max_request_bytes`)."""
-    work = Work(kind=kind, weights=weights, items=items, fields=fields, nbest=nbest, token_logprobs=token_logprobs)
+def make_work(models: Models, work: Work, sizes: list[TreeSize | None] | None = None,
+              max_bytes: int | None = None) -> Work:
+    """A request's work, given as its kind, weights, items, fields and what to answer (a new `Work`), with its
+    token counts (the tokens its hypotheses have, the ones a prefix-sharing scorer computes), lattice arcs, and
+    predicted seconds and bytes filled in; returns it. `sizes`: the hypothesis lists' `trie_sizes`, in order, when
+    already worked out; `max_bytes`: the request's byte limit, which sets how many of its lattices are expanded
+    together (default: the server's `max_request_bytes`)."""
+    if work.tokens_total or work.tokens_computed or work.lattice_arcs or work.seconds or work.nbytes:
+        raise ValueError("make_work takes a new Work, its counts and predictions not yet filled in")
+    items, fields = work.items, work.fields
     neural = models.neural is not None
     lattice_bytes = []
     lists = [it for it in items if not isinstance(it, LatticeItem)]
@@ -322,10 +324,10 @@ def warmup_work(models: Models) -> list[Work]:
     """A sentence and a two-word lattice: the first real request then finds every code path
     (kernels, allocator, KenLM pages) warm."""
     words = models.loaded.vocab.words[3:8] if models.loaded is not None else ["the", "of", "and"]
-    sentence = make_work(models, "score", [nbest_item(Utterance("0", [Hypothesis(words=list(words))]), [])],
-                         ["sentences[0]"], models.weights)
+    one = nbest_item(Utterance("0", [Hypothesis(words=list(words))]), [])
+    sentence = make_work(models, Work("score", models.weights, [one], ["sentences[0]"]))
     fst = f"0 1 {words[0]} {words[0]} 1.0,1.0\n1 2 {words[1]} {words[1]} 1.0,1.0\n2 0.0,0.0\n"
     lat = read_fst_text(fst, SymbolTable.from_words(list(words[:2])), name="warmup")
-    lattice = make_work(models, "rescore", [lattice_item(models, prepared(lat), models.s.lattice_nbest)],
-                        ["utterances[0]"], models.weights)
+    lattice = make_work(models, Work("rescore", models.weights,
+                                     [lattice_item(models, prepared(lat), models.s.lattice_nbest)], ["utterances[0]"]))
     return [sentence, lattice]
