@@ -81,6 +81,7 @@ def run(a) -> None:
     (out / "cases.json").write_text(json.dumps(meta, indent=1))
 
 
+WORST_CONF = [0.0]  # the largest confidence difference seen by `compare`
 NUM = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|-?inf|nan")
 
 
@@ -127,8 +128,10 @@ def _compare_file(pa: Path, pb: Path, neural: bool, tol: float, ctol: float) -> 
         return None
     if pa.suffix == ".fst" and neural:
         return None
-    if pa.suffix == ".jsonl" or pa.suffix == ".json":
+    if pa.suffix in (".jsonl", ".json"):
         la, lb = a.decode().splitlines(), b.decode().splitlines()
+        if pa.suffix == ".json":  # one document
+            la, lb = [json.dumps(json.loads(a))], [json.dumps(json.loads(b))]
         if len(la) != len(lb):
             return "line counts differ"
         worst = 0.0
@@ -140,6 +143,7 @@ def _compare_file(pa: Path, pb: Path, neural: bool, tol: float, ctol: float) -> 
             if len(fa) != len(fb):
                 return f"line {i + 1}: confidence counts differ"
             worst = max([worst, *(abs(p - q) for p, q in zip(fa, fb))])
+        WORST_CONF[0] = max(WORST_CONF[0], worst)
         return None if worst <= ctol else f"confidences differ by {worst:.3g}"
     if pa.suffix == ".ctm":
         la, lb = a.decode().splitlines(), b.decode().splitlines()
@@ -149,6 +153,7 @@ def _compare_file(pa: Path, pb: Path, neural: bool, tol: float, ctol: float) -> 
             xs, ys = x.rsplit(" ", 1), y.rsplit(" ", 1)
             if xs[0] != ys[0] and not (neural and _close(xs[0], ys[0], tol)):
                 return f"line {i + 1}: differs before the confidence"
+            WORST_CONF[0] = max(WORST_CONF[0], abs(float(xs[1]) - float(ys[1])))
             if abs(float(xs[1]) - float(ys[1])) > ctol:
                 return f"line {i + 1}: confidence differs by {abs(float(xs[1]) - float(ys[1])):.3g}"
         return None
@@ -177,6 +182,7 @@ def compare(a) -> None:
         for p in problems[:10]:
             print("   ", p)
         bad += bool(problems)
+    print(f"largest difference of a confidence: {WORST_CONF[0]:.3g}")
     if bad:
         raise SystemExit(f"{bad} case(s) differ")
 

@@ -36,14 +36,16 @@ a node has the same length, so the same alignment (the diagonal) is best for all
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from ...errors import SmallstateError
 from ..lattices.graph import state_levels
 from ..lattices.kbest import Dag
-from .posteriors import Laid, lay_out, log_sums
+from .posteriors import Laid, _logsumexp_runs, lay_out
 
 SUB, INS, DEL = 0, 1, 2  # the operation an arc's mass takes at each hypothesis position
 DEFAULT_MAX_ITER = 10
@@ -82,9 +84,11 @@ class Alignment:
 class Aligner:
     """Lattices prepared once for repeated alignments (see the module docstring): the arcs on complete paths,
     finals as arcs into a sink per lattice, each arc's forward share P(e | dst), the arcs grouped by their
-    target's level. One lattice (`Aligner(dag, ...)`) or several (`Aligner.many`): several are aligned in the
-    same passes, a level of all of them at a time, each to its own hypothesis, with the numbers each would get
-    alone; their arcs stay together, each lattice's kept arcs then its finals."""
+    target's level (forward) and by their source's level (backward). One lattice (`Aligner(dag, ...)`) or
+    several (`Aligner.many`): several are aligned in the same passes, a level of all of them at a time, each to
+    its own hypothesis, with the choices each would get alone; each lattice's kept arcs, then its finals, are
+    numbered together. The passes hold (positions, arcs) arrays: runs along the hypothesis are then operations
+    on whole rows."""
 
     def __init__(self, dag: Dag, scale: float, node_times: np.ndarray | None = None, name: str = "lattice"):
         self._build(lay_out([dag]), scale, None if node_times is None else [node_times], [name])
@@ -99,57 +103,86 @@ class Aligner:
 
     def _build(self, laid: Laid, scale: float, node_times: list | None, names: list[str]) -> None:
         d, L = laid.dag, laid.n_lattices
-        n, src, dst = int(d.n_nodes), d.src, d.dst
-        level = state_levels(n, src, dst)
-        alpha, beta, log_total = log_sums(laid, scale, level, names)
-        keep = np.isfinite(alpha[src]) & np.isfinite(beta[dst])  # pruned dead ends carry no mass
-        fkeep = np.isfinite(alpha[d.final_node])
-        lat_arc = np.repeat(np.arange(L), np.diff(laid.arc_start))
-        lat_fin = np.repeat(np.arange(L), np.diff(laid.final_start))
-        # each lattice's kept arcs, then its finals into its sink (node n + l)
-        lat = np.concatenate([lat_arc[keep], lat_fin[fkeep]])
-        order = np.argsort(lat, kind="stable")
+        n = int(d.n_nodes)
+        level = state_levels(n, d.src, d.dst)
+        if not scale > 0:
+            raise SmallstateError(f"{names[0]}: posterior scale must be > 0, got {scale}")
         self.n_lattices, self.starts, self.sinks, self.n_rows = L, laid.node_start[:-1], n + np.arange(L), n + L
-        self.lat = lat[order]
-        self.arc_start = np.searchsorted(self.lat, np.arange(L + 1))
-        self.src = np.concatenate([src[keep], d.final_node[fkeep]])[order]
-        self.dst = np.concatenate([dst[keep], self.sinks[lat_fin[fkeep]]])[order]
-        alpha = np.concatenate([alpha, log_total])
-        log_w = -scale * np.concatenate([d.cost[keep], d.final_cost[fkeep]])[order]
-        self.share = np.exp(alpha[self.src] + log_w - alpha[self.dst])  # P(e | dst): sums to 1 into each node
-        keys = np.concatenate([d.word_key[keep], np.full(int(fkeep.sum()), -1)])[order]
-        # compact word index per lattice: 0 epsilon, 1..V its own words in order
-        words = keys >= 0
-        radix = int(keys.max(initial=0)) + 1
-        code = self.lat[words] * radix + keys[words]  # (lattice, word) as one number
-        uniq = np.unique(code)
-        first = np.searchsorted(uniq // radix, np.arange(L + 1))
-        self.vocabs = [uniq[first[k] : first[k + 1]] % radix for k in range(L)]
-        self.word = np.zeros(len(keys), dtype=np.int64)
-        self.word[words] = np.searchsorted(uniq, code) - first[self.lat[words]] + 1
+        self.sizes = np.diff(laid.node_start)
+        # every arc, and each final as an arc into its lattice's sink (node n + l), each lattice's own together
+        lat_fin = np.repeat(np.arange(L), np.diff(laid.final_start))
+        lat = np.concatenate([np.repeat(np.arange(L), np.diff(laid.arc_start)), lat_fin])
+        by_lattice = np.argsort(lat, kind="stable")
+        src = np.concatenate([d.src, d.final_node])[by_lattice]
+        dst = np.concatenate([d.dst, self.sinks[lat_fin]])[by_lattice]
         level = np.concatenate([level, np.full(L, level.max(initial=0) + 1)])  # sinks come after every node
-        g_order = np.lexsort((self.dst, level[self.dst]))
-        cuts = np.flatnonzero(np.diff(level[self.dst[g_order]])) + 1
-        self.groups = np.split(g_order, cuts) if len(g_order) else []
-        # per group, its target nodes and where each one's arcs start (arcs are sorted by target within a level)
-        self.targets = []
-        for g in self.groups:
-            t = self.dst[g]
-            starts = np.flatnonzero(np.concatenate([[True], t[1:] != t[:-1]]))
-            self.targets.append((t[starts], starts))
+        # arcs numbered by their target's level, then target: each level of the forward pass is one slice
+        order = np.argsort(level[dst] * (n + L) + dst, kind="stable")
+        lat = lat[by_lattice]
+        self.src, self.dst, self.lat = src[order], dst[order], lat[order]
+        self.index = (np.arange(len(lat)) - np.searchsorted(lat, lat))[order]  # its place among its lattice's
+        self.key = np.concatenate([d.word_key, np.full(len(lat_fin), -1)])[by_lattice][order]  # -1: epsilon
+        log_w = -scale * np.concatenate([d.cost, d.final_cost])[by_lattice][order]
+        self.groups = _slices_by_level(self.dst, level)
+        alpha = self._forward_sums(log_w, names)
+        # P(e | dst): sums to 1 into each node; 0 from a node no path reaches (its arcs then add nothing)
+        with np.errstate(invalid="ignore"):
+            self.share = np.where(np.isfinite(alpha[self.src]), np.exp(alpha[self.src] + log_w - alpha[self.dst]), 0.0)
+        # the backward pass visits the nodes a level at a time, deepest first (a node's mass is complete once
+        # every arc out of it, all into deeper levels, is done), and follows only the cells that carry mass
+        self.levels = _nodes_by_level(level)
+        runs = np.flatnonzero(np.concatenate([[True], self.dst[1:] != self.dst[:-1]])) if len(self.dst) \
+            else np.zeros(0, dtype=np.int64)
+        self.in_first = np.zeros(self.n_rows, dtype=np.int64)  # the arcs into node v: in_first[v] + range(in_count[v])
+        self.in_count = np.zeros(self.n_rows, dtype=np.int64)
+        self.in_first[self.dst[runs]] = runs
+        self.in_count[self.dst[runs]] = np.diff(np.append(runs, len(self.dst)))
         self.times = None
         if node_times is not None:  # one lattice; a final's arc into the sink takes no time
             t = np.append(np.asarray(node_times[0], dtype=np.float64), 0.0)
-            self.times = (t[self.src], np.where(self.dst == n, t[self.src], t[self.dst]))
+            self.times = (t[self.src], np.where(self.dst >= n, t[self.src], t[self.dst]))
+
+    def _forward_sums(self, log_w: np.ndarray, names: list[str]) -> np.ndarray:
+        """(N + L,) the log forward sums of the nodes, the sinks' being the lattices' totals (a level at a time,
+        each node's arcs summed in the order given, as `posteriors.log_sums` does). Raises SmallstateError
+        naming the first lattice with no complete path of finite cost."""
+        alpha = np.full(self.n_rows, -np.inf)
+        alpha[self.starts[self.sizes > 0]] = 0.0  # each lattice's start
+        last = len(self.groups) - 1
+        for i, (a, b, nodes, starts) in enumerate(self.groups):
+            vals = alpha[self.src[a:b]] + log_w[a:b]
+            if i == last and nodes[0] >= self.sinks[0]:  # the totals, summed as forward_backward sums them
+                alpha[nodes] = np.logaddexp.reduceat(vals, starts)
+            else:
+                seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, b - a)))
+                alpha[nodes] = _logsumexp_runs(vals, starts, seg)
+        bad = np.flatnonzero(~np.isfinite(alpha[self.sinks]))
+        if len(bad):
+            raise SmallstateError(f"{names[int(bad[0])] if len(names) > 1 else names[0]}: no complete path with a "
+                                  "finite cost, so no posteriors")
+        return alpha
+
+    @functools.cached_property
+    def _compact(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """(each lattice's word keys in order, each arc's compact word index: 0 epsilon, 1..V the lattice's
+        words): the columns of its sausage."""
+        words = self.key >= 0
+        radix = int(self.key.max(initial=0)) + 1
+        code = self.lat[words] * radix + self.key[words]  # (lattice, word) as one number
+        uniq = np.unique(code)
+        first = np.searchsorted(uniq // radix, np.arange(self.n_lattices + 1))
+        word = np.zeros(len(self.key), dtype=np.int64)
+        word[words] = np.searchsorted(uniq, code) - first[self.lat[words]] + 1
+        return [uniq[first[k] : first[k + 1]] % radix for k in range(self.n_lattices)], word
 
     @property
     def vocab(self) -> np.ndarray:
         """The one lattice's word keys by compact index - 1."""
-        return self.vocabs[0]
+        return self._compact[0][0]
 
     def keys_to_index(self, keys: Sequence[int], k: int = 0) -> np.ndarray:
         """Word keys (decoder ids) -> lattice k's compact indices; a word it lacks gets V+1, which no arc has."""
-        vocab = self.vocabs[k]
+        vocab = self._compact[0][k]
         keys = np.asarray(keys, dtype=np.int64)
         pos = np.searchsorted(vocab, keys)
         found = (pos < len(vocab)) & (vocab[np.minimum(pos, len(vocab) - 1)] == keys) \
@@ -158,84 +191,130 @@ class Aligner:
 
     def confidences_of(self, keys: Sequence[int]) -> list[float]:
         """Each of `keys`' posterior in its own bin, the lattice aligned to them (`aligned_confidences`)."""
-        return self.align(self.keys_to_index(keys)).confidences().tolist()
+        return self.confidences_many([keys])[0]
 
     def confidences_many(self, keys: Sequence[Sequence[int]]) -> list[list[float]]:
-        """`confidences_of` for every lattice, keys[k] for lattice k, in one set of passes."""
-        hyps = [self.keys_to_index(kk, k) for k, kk in enumerate(keys)]
-        return [a.confidences().tolist() for a in self.align_many(hyps)]
+        """`confidences_of` for every lattice, keys[k] (decoder ids, negative: a word no arc has) for lattice k,
+        in one set of passes; only each word's own bin is summed (its mass in its slot), not whole sausages."""
+        hyp, lens = _padded([np.where(np.asarray(k, dtype=np.int64) >= 0, k, -2) for k in keys], self.n_lattices)
+        _, choice, cells, _ = self._passes(hyp, lens)
+        arc, q, m = cells
+        Q = hyp.shape[1]
+        said = (choice[q, arc] == SUB) & (self.key[arc] == hyp[self.lat[arc], np.maximum(q - 1, 0)])
+        mass = np.bincount(self.lat[arc[said]] * Q + q[said] - 1, m[said], minlength=self.n_lattices * Q)
+        mass = np.clip(mass.reshape(self.n_lattices, Q), 0.0, 1.0)
+        return [mass[k, :n].tolist() for k, n in enumerate(lens.tolist())]
 
     def align(self, hyp: np.ndarray) -> Alignment:
         """One forward and one backward pass against `hyp` (compact indices)."""
         return self.align_many([hyp])[0]
 
     def align_many(self, hyps: Sequence[np.ndarray]) -> list[Alignment]:
-        """One forward and one backward pass of every lattice, lattice k against hyps[k] (its compact indices).
-        Hypotheses of different lengths share one width, Q = the longest: a lattice's columns past its own
-        length only ever see its own (the deletion chain runs up, mass runs down), so they change nothing."""
-        lens = np.array([len(h) for h in hyps], dtype=np.int64)
-        Q = int(lens.max(initial=0))
-        hyp = np.full((self.n_lattices, Q), -1, dtype=np.int64)  # -1: no arc's word, past a hypothesis' end
-        for k, h in enumerate(hyps):
-            hyp[k, : len(h)] = h
-        A = np.zeros((self.n_rows, Q + 1))
-        A[self.starts] = np.arange(Q + 1)
-        choice = np.empty((len(self.src), Q + 1), dtype=np.int8)
-        for g, (nodes, starts) in zip(self.groups, self.targets):
-            choice[g], arc_a = self._forward_arcs(A[self.src[g]], self.word[g], hyp[self.lat[g]])
-            A[nodes] = np.add.reduceat(self.share[g][:, None] * arc_a, starts, axis=0)
-        flow, B = self._backward(choice, lens)
+        """One forward and one backward pass of every lattice, lattice k against hyps[k] (its compact indices),
+        and each one's sausage."""
+        vocabs, _ = self._compact
+        keys = [np.append(v, -2)[np.asarray(h, dtype=np.int64) - 1] for v, h in zip(vocabs, hyps)]
+        hyp, lens = _padded(keys, self.n_lattices)
+        A, choice, (arc, q, m), B = self._passes(hyp, lens)
+        flow = np.zeros(choice.shape)
+        np.add.at(flow, (q, arc), m)
         out = []
         for k, h in enumerate(hyps):
-            a, b, q = int(self.arc_start[k]), int(self.arc_start[k + 1]), len(h)
-            out.append(self._bins(k, np.asarray(h), float(A[self.sinks[k], q]), choice[a:b, : q + 1],
-                                  flow[a:b, : q + 1], B[self.starts[k], : q + 1]))
+            arcs, q = self._arcs_of(k), len(h)
+            out.append(self._bins(k, arcs, np.asarray(h), float(A[q, self.sinks[k]]), choice[: q + 1, arcs].T,
+                                  flow[: q + 1, arcs].T, B[: q + 1, self.starts[k]]))
         return out
+
+    def _passes(self, hyp: np.ndarray, lens: np.ndarray):
+        """(A, choice, the cells mass passes through, B) of the forward and backward passes against the hypotheses
+        `hyp` (L, Q) of word keys, padded past each one's length `lens` with a key no arc has. Hypotheses of
+        different lengths share one width: a lattice's positions past its own length only ever see its own
+        (the deletion chain runs up, mass runs down), so they change nothing."""
+        W = hyp.shape[1] + 1
+        A = np.zeros((W, self.n_rows))
+        A[:, self.starts] = np.arange(W)[:, None]
+        choice = np.empty((W, len(self.src)), dtype=np.int8)
+        hyp_t = hyp.T  # (Q, L)
+        for a, b, nodes, starts in self.groups:
+            choice[:, a:b], arc_a = self._forward_arcs(A[:, self.src[a:b]], self.key[a:b], hyp_t[:, self.lat[a:b]])
+            arc_a *= self.share[a:b]
+            A[:, nodes] = np.add.reduceat(arc_a, starts, axis=1)
+        cells, B = self._backward(choice, lens)
+        return A, choice, cells, B
 
     @staticmethod
     def _forward_arcs(Au: np.ndarray, x: np.ndarray, hyp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(choices, A_e) of arcs with words x from sources whose rows of A are Au (n, Q+1), against the
-        hypotheses `hyp` (n, Q) of their lattices.
+        """(choices, A_e), (Q+1, n) each, of arcs with word keys x (n,) from sources whose columns of A are Au
+        (Q+1, n), against their lattices' hypotheses `hyp` (Q, n).
 
         The deletion chain A_e(q) = min(best(q), A_e(q-1) + 1) unrolls to q + min over j <= q of (best(j) - j):
         a running minimum along q, so no loop over the hypothesis is needed."""
-        ins = (x > 0).astype(np.float64)
-        a1 = Au[:, :-1] + (x[:, None] != hyp)  # (n, Q): x in r_q's slot
-        a2 = Au[:, 1:] + ins[:, None]  # (n, Q): x inserted after r_q
-        keep_sub = a1 <= a2  # ties: substitution, then insertion, then deletion
-        best = np.concatenate([(Au[:, 0] + ins)[:, None], np.where(keep_sub, a1, a2)], axis=1)  # (n, Q+1)
-        q = np.arange(best.shape[1], dtype=np.float64)
-        run = np.minimum.accumulate(best - q, axis=1)  # (n, Q+1)
+        ins = (x >= 0).astype(np.float64)
+        a1 = Au[:-1] + (x != hyp)  # (Q, n): x in r_q's slot
+        a2 = Au[1:] + ins  # (Q, n): x inserted after r_q
+        best = np.empty(Au.shape)  # (Q+1, n)
+        best[0] = Au[0] + ins
+        np.minimum(a1, a2, out=best[1:])
+        c = np.empty(Au.shape, dtype=np.int8)
+        c[0] = INS
+        np.greater(a1, a2, out=c[1:].view(bool))  # SUB 0, INS 1; ties: substitution, then insertion, then deletion
+        q = np.arange(Au.shape[0], dtype=np.float64)[:, None]
+        best_q = best - q
+        run = np.empty(Au.shape)
+        run[0] = best_q[0]
+        for i in range(1, len(run)):  # row by row: each row is one contiguous array operation
+            np.minimum(run[i - 1], best_q[i], out=run[i])
         # a deletion only where it is better by more than rounding: ties stay with the operations above
-        dele = np.zeros(best.shape, dtype=bool)
-        dele[:, 1:] = run[:, :-1] < best[:, 1:] - q[1:] - 1e-9
-        c = np.where(keep_sub, SUB, INS).astype(np.int8)
-        c = np.concatenate([np.full((len(x), 1), INS, dtype=np.int8), c], axis=1)
-        c[dele] = DEL
-        return c, np.where(dele, run + q, best)
+        dele = np.zeros(Au.shape, dtype=bool)
+        np.less(run[:-1], best_q[1:] - 1e-9, out=dele[1:])
+        np.copyto(c, DEL, where=dele)
+        run += q
+        np.copyto(best, run, where=dele)
+        return c, best
 
-    def _backward(self, choice: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the mass on each arc at each position, (E, Q+1); the mass at each node at each position, whose start
-        rows are what reaches each lattice's start), from mass 1 at each sink at its hypothesis' length.
+    def _backward(self, choice: np.ndarray, lens: np.ndarray) -> tuple[tuple, np.ndarray]:
+        """((arcs, positions, masses) of every cell that mass passes through, a cell once for each time; the
+        mass at each node at each position, (Q+1, rows), whose start columns are what reaches each lattice's
+        start), from mass 1 at each sink at its hypothesis' length.
 
-        Within an arc, mass at q that deletes r_q moves on to q-1 there: a run of deletions adds up the mass
-        from its top down, a suffix sum within each run (`_deletion_runs`)."""
-        B = np.zeros((self.n_rows, choice.shape[1]))
-        B[self.sinks, lens] = 1.0
-        flow = np.zeros(choice.shape)
-        for g in reversed(self.groups):
-            c = choice[g]
-            f = _deletion_runs(self.share[g][:, None] * B[self.dst[g]], c == DEL)
-            back = np.where(c == INS, f, 0.0)
-            back[:, :-1] += np.where(c[:, 1:] == SUB, f[:, 1:], 0.0)
-            flow[g] = f
-            np.add.at(B, self.src[g], back)
-        return flow, B
+        Only cells that carry mass are followed (about one in twelve): a level's nodes' cells with mass go into
+        their arcs (times each arc's share); a cell that deletes r_q hands its mass down to q-1 in the same arc,
+        the others to the arc's source (at q after an insertion, q-1 after a substitution)."""
+        B = np.zeros((choice.shape[0], self.n_rows))
+        B[lens, self.sinks] = 1.0
+        flat_b, rows = B.reshape(-1), self.n_rows
+        seen: list[tuple] = []
+        for nodes in self.levels[:0:-1]:  # level 0 has no arcs in
+            qs, js = np.nonzero(B[:, nodes])
+            v = nodes[js]
+            count = self.in_count[v]
+            owner = np.repeat(np.arange(len(v)), count)
+            arc = self.in_first[v][owner] + np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+            q = qs[owner]
+            m = B[q, v[owner]] * self.share[arc]
+            live = m > 0
+            arc, q, m = arc[live], q[live], m[live]
+            while len(arc):
+                seen.append((arc, q, m))
+                c = choice[q, arc]
+                down = c == DEL
+                out = ~down
+                np.add.at(flat_b, (q[out] - (c[out] == SUB)) * rows + self.src[arc[out]], m[out])
+                arc, q, m = arc[down], q[down] - 1, m[down]
+        cells = tuple(np.concatenate(x) if seen else np.zeros(0, dtype=t)
+                      for x, t in zip(zip(*seen) if seen else ((), (), ()), (np.int64, np.int64, np.float64)))
+        return cells, B
 
-    def _bins(self, k: int, hyp, risk, choice, flow, B0) -> Alignment:
-        """Lattice k's sausage from its arcs' choices and flows (its slice, its own width)."""
-        Q, V2 = len(hyp), len(self.vocabs[k]) + 2
-        word_k = self.word[self.arc_start[k] : self.arc_start[k + 1]]
+    def _arcs_of(self, k: int) -> np.ndarray:
+        """Lattice k's arcs (its finals last) in the order it gave them: a sausage sums them in that order."""
+        arcs = np.flatnonzero(self.lat == k)
+        return arcs[np.argsort(self.index[arcs])]
+
+    def _bins(self, k: int, arcs: np.ndarray, hyp, risk, choice, flow, B0) -> Alignment:
+        """Lattice k's sausage from its arcs' (`arcs`) choices and flows ((arcs, Q+1) each, its own width)."""
+        vocabs, word_of = self._compact
+        Q, V2 = len(hyp), len(vocabs[k]) + 2
+        word_k = word_of[arcs]
         q = np.arange(Q + 1)[None, :]
         bins = np.where(choice == INS, 2 * q, 2 * q - 1)
         word = np.where(choice == DEL, 0, word_k[:, None])
@@ -250,23 +329,23 @@ class Aligner:
             timed = live & (word > 0)
             fl = (bins * V2 + word)[timed]
             w = flow[timed]
-            rows = np.nonzero(timed)[0] + self.arc_start[k]
+            rows = arcs[np.nonzero(timed)[0]]
             ts = np.bincount(fl, w * self.times[0][rows], minlength=size).astype(np.float64).reshape(2 * Q + 1, V2)
             te = np.bincount(fl, w * self.times[1][rows], minlength=size).astype(np.float64).reshape(2 * Q + 1, V2)
         return Alignment(np.asarray(hyp), risk, gamma, ts, te)
 
 
 def _deletion_runs(f: np.ndarray, dele: np.ndarray) -> np.ndarray:
-    """(n, Q+1): f(q) plus the mass of every position above q that reaches it through deletions (dele(j): the
+    """(Q+1, n): f(q) plus the mass of every position above q that reaches it through deletions (dele(j): the
     mass at j moves to j-1), i.e. the sum of f over q..end, end being the top of q's run of deletions."""
-    n, width = f.shape
-    ends_here = np.ones((n, width), dtype=bool)  # q's run stops at q unless q+1 deletes down into it
-    ends_here[:, :-1] = ~dele[:, 1:]
-    top = np.where(ends_here, np.arange(width), width)
-    top = np.minimum.accumulate(top[:, ::-1], axis=1)[:, ::-1]  # the first run end at or above q
-    suffix = np.zeros((n, width + 1))
-    suffix[:, :-1] = np.cumsum(f[:, ::-1], axis=1)[:, ::-1]
-    return np.maximum(suffix[:, :-1] - np.take_along_axis(suffix, top + 1, axis=1), 0.0)
+    width = f.shape[0]
+    ends_here = np.ones(f.shape, dtype=bool)  # q's run stops at q unless q+1 deletes down into it
+    ends_here[:-1] = ~dele[1:]
+    top = np.where(ends_here, np.arange(width)[:, None], width)
+    top = np.minimum.accumulate(top[::-1], axis=0)[::-1]  # the first run end at or above q
+    suffix = np.zeros((width + 1, f.shape[1]))
+    suffix[:-1] = np.cumsum(f[::-1], axis=0)[::-1]
+    return np.maximum(suffix[:-1] - np.take_along_axis(suffix, top + 1, axis=0), 0.0)
 
 
 @dataclass
@@ -325,3 +404,45 @@ def aligned_confidences(dag: Dag, scale: float, keys: Sequence[int], name: str =
     """Each word's posterior in its own bin when the lattice is aligned to `keys` (one pass): the confidence of
     a given transcript, e.g. the Viterbi path's (0 for a word the lattice lacks)."""
     return Aligner(dag, scale, None, name).confidences_of(keys)
+
+
+def _runs_by_level(node: np.ndarray, level: np.ndarray, deepest_first: bool) -> list:
+    """Arcs grouped by the level of `node` (their target or their source), each group sorted by that node:
+    per group (its arcs, its distinct nodes, where each node's arcs start), for one reduction per level."""
+    order = np.argsort(level[node] * (int(node.max(initial=0)) + 1) + node, kind="stable")
+    cuts = np.flatnonzero(np.diff(level[node[order]])) + 1
+    out = []
+    for g in np.split(order, cuts) if len(order) else []:
+        t = node[g]
+        starts = np.flatnonzero(np.concatenate([[True], t[1:] != t[:-1]]))
+        out.append((g, t[starts], starts))
+    return out[::-1] if deepest_first else out
+
+
+def _padded(hyps: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(hypotheses of word keys as (n, longest), padded with -3, a key no arc has; their lengths)."""
+    lens = np.array([len(h) for h in hyps], dtype=np.int64)
+    out = np.full((n, int(lens.max(initial=0))), -3, dtype=np.int64)
+    for k, h in enumerate(hyps):
+        out[k, : len(h)] = h
+    return out, lens
+
+
+def _slices_by_level(node: np.ndarray, level: np.ndarray) -> list:
+    """For arcs already numbered by (level of `node`, `node`): per level (first arc, end, its distinct nodes,
+    where each node's arcs start within the slice)."""
+    cuts = np.flatnonzero(np.diff(level[node])) + 1
+    bounds = [0, *cuts.tolist(), len(node)] if len(node) else []
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        t = node[a:b]
+        starts = np.flatnonzero(np.concatenate([[True], t[1:] != t[:-1]]))
+        out.append((a, b, t[starts], starts))
+    return out
+
+
+def _nodes_by_level(level: np.ndarray) -> list[np.ndarray]:
+    """The nodes of each level, level 0 first."""
+    order = np.argsort(level, kind="stable")
+    cuts = np.flatnonzero(np.diff(level[order])) + 1
+    return np.split(order, cuts) if len(order) else []
