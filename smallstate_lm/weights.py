@@ -1,5 +1,5 @@
 """Score weights and their one combination, without torch: an n-gram-only
-rescoring or tuning run imports this, never the neural side (scoring.py).
+rescoring or tuning run imports this, never the neural side (scoring/scorer.py).
 
 Every hypothesis keeps its components separately — am, graph, neural, ngram, the
 word count and OOV count — so a sweep over weights re-ranks cached numbers and never

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..vocab import EOS_ID
 from .trie import trie_size
 
@@ -28,6 +26,8 @@ def measure_path_costs(scorer, rounds: int = 3) -> PathCosts:
     lists of 32 hypotheses of 12 words that share a stem of 4 to 8 words): the fastest of `rounds` runs of each,
     taken in turns."""
     import random
+
+    import torch
 
     from ..device import fastest_seconds
 

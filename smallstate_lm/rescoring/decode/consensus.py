@@ -94,17 +94,21 @@ class Aligner:
         self._build(lay_out([dag]), scale, None if node_times is None else [node_times], [name])
 
     @classmethod
-    def many(cls, dags: Sequence[Dag], scale: float, names: Sequence[str]) -> "Aligner":
-        """`dags` prepared together (no node times: what a consensus decode needs is prepared one at a time).
-        Raises SmallstateError naming the first lattice without a complete path of finite cost."""
+    def many(cls, dags: Sequence[Dag], scale: float, names: Sequence[str],
+             levels: Sequence[np.ndarray] | None = None) -> "Aligner":
+        """`dags` prepared together (no node times: what a consensus decode needs is prepared one at a time);
+        `levels`, when known, a level per node of each (every arc going up a level, as `state_levels` gives
+        them or the levels of the lattice states an expanded lattice's nodes stand for). Raises SmallstateError
+        naming the first lattice without a complete path of finite cost."""
         al = cls.__new__(cls)
-        al._build(lay_out(dags), scale, None, list(names))
+        al._build(lay_out(dags), scale, None, list(names), None if levels is None else np.concatenate(levels))
         return al
 
-    def _build(self, laid: Laid, scale: float, node_times: list | None, names: list[str]) -> None:
+    def _build(self, laid: Laid, scale: float, node_times: list | None, names: list[str],
+               level: np.ndarray | None = None) -> None:
         d, L = laid.dag, laid.n_lattices
         n = int(d.n_nodes)
-        level = state_levels(n, d.src, d.dst)
+        level = state_levels(n, d.src, d.dst) if level is None else np.asarray(level, dtype=np.int64)
         if not scale > 0:
             raise SmallstateError(f"{names[0]}: posterior scale must be > 0, got {scale}")
         self.n_lattices, self.starts, self.sinks, self.n_rows = L, laid.node_start[:-1], n + np.arange(L), n + L
@@ -120,7 +124,7 @@ class Aligner:
         order = np.argsort(level[dst] * (n + L) + dst, kind="stable")
         lat = lat[by_lattice]
         self.src, self.dst, self.lat = src[order], dst[order], lat[order]
-        self.index = (np.arange(len(lat)) - np.searchsorted(lat, lat))[order]  # its place among its lattice's
+        self._order, self._lat_given = order, lat
         self.key = np.concatenate([d.word_key, np.full(len(lat_fin), -1)])[by_lattice][order]  # -1: epsilon
         log_w = -scale * np.concatenate([d.cost, d.final_cost])[by_lattice][order]
         self.groups = _slices_by_level(self.dst, level)
@@ -234,23 +238,42 @@ class Aligner:
         A = np.zeros((W, self.n_rows))
         A[:, self.starts] = np.arange(W)[:, None]
         choice = np.empty((W, len(self.src)), dtype=np.int8)
-        hyp_t = hyp.T  # (Q, L)
+        other = self._other_words(hyp)
         for a, b, nodes, starts in self.groups:
-            choice[:, a:b], arc_a = self._forward_arcs(A[:, self.src[a:b]], self.key[a:b], hyp_t[:, self.lat[a:b]])
+            choice[:, a:b], arc_a = self._forward_arcs(A[:, self.src[a:b]], self.key[a:b], other[:, a:b])
             arc_a *= self.share[a:b]
             A[:, nodes] = np.add.reduceat(arc_a, starts, axis=1)
         cells, B = self._backward(choice, lens)
         return A, choice, cells, B
 
+    def _other_words(self, hyp: np.ndarray) -> np.ndarray:
+        """(Q, E) whether each arc's word is not r_q of its lattice's hypothesis (`hyp`, (L, Q) word keys): a
+        word stands at one or two places of a hypothesis, so the matches are found by sorting, not compared."""
+        Q = hyp.shape[1]
+        other = np.ones((Q, len(self.key)), dtype=bool)
+        radix = int(max(self.key.max(initial=0), hyp.max(initial=0))) + 1
+        k, q = np.nonzero(hyp >= 0)
+        code = k * radix + hyp[k, q]  # (lattice, word) of each hypothesis position, as one number
+        by = np.argsort(code, kind="stable")
+        code, q = code[by], q[by]
+        arcs = np.flatnonzero(self.key >= 0)
+        mine = self.lat[arcs] * radix + self.key[arcs]
+        lo, hi = np.searchsorted(code, mine), np.searchsorted(code, mine, side="right")
+        count = hi - lo
+        owner = np.repeat(np.arange(len(arcs)), count)
+        at = lo[owner] + np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+        other[q[at], arcs[owner]] = False
+        return other
+
     @staticmethod
-    def _forward_arcs(Au: np.ndarray, x: np.ndarray, hyp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _forward_arcs(Au: np.ndarray, x: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(choices, A_e), (Q+1, n) each, of arcs with word keys x (n,) from sources whose columns of A are Au
-        (Q+1, n), against their lattices' hypotheses `hyp` (Q, n).
+        (Q+1, n); `other` (Q, n): whether x is not r_q.
 
         The deletion chain A_e(q) = min(best(q), A_e(q-1) + 1) unrolls to q + min over j <= q of (best(j) - j):
         a running minimum along q, so no loop over the hypothesis is needed."""
         ins = (x >= 0).astype(np.float64)
-        a1 = Au[:-1] + (x != hyp)  # (Q, n): x in r_q's slot
+        a1 = Au[:-1] + other  # (Q, n): x in r_q's slot
         a2 = Au[1:] + ins  # (Q, n): x inserted after r_q
         best = np.empty(Au.shape)  # (Q+1, n)
         best[0] = Au[0] + ins
@@ -307,8 +330,13 @@ class Aligner:
 
     def _arcs_of(self, k: int) -> np.ndarray:
         """Lattice k's arcs (its finals last) in the order it gave them: a sausage sums them in that order."""
-        arcs = np.flatnonzero(self.lat == k)
-        return arcs[np.argsort(self.index[arcs])]
+        lo, hi = np.searchsorted(self._lat_given, [k, k + 1])
+        return self._ours[lo:hi]
+
+    @functools.cached_property
+    def _ours(self) -> np.ndarray:
+        """Our number of each arc, in the order the lattices gave them."""
+        return np.argsort(self._order)
 
     def _bins(self, k: int, arcs: np.ndarray, hyp, risk, choice, flow, B0) -> Alignment:
         """Lattice k's sausage from its arcs' (`arcs`) choices and flows ((arcs, Q+1) each, its own width)."""

@@ -13,7 +13,7 @@ from .consensus import Aligner, aligned_confidences, consensus_of
 from .posteriors import first_pass_dag
 
 # Working arrays of a group of lattices aligned together (arcs x hypothesis positions): ~20 MB of them
-ALIGN_CELLS = 1_000_000
+ALIGN_CELLS = 1000000
 
 
 @dataclass
@@ -102,7 +102,9 @@ def _decode_group(xs, w, paths, dags, group: list[int], out: list) -> None:
     """Lattices `group` of xs aligned to their best paths together, their Decoded put in `out`; where one of
     them has no complete path of finite cost, each is decoded alone, for its own error."""
     try:
-        al = Aligner.many([dags[k] for k in group], w.posterior_scale, [f"lattice {xs[k].name}" for k in group])
+        levels = [xs[k].node_level for k in group]
+        al = Aligner.many([dags[k] for k in group], w.posterior_scale, [f"lattice {xs[k].name}" for k in group],
+                          None if any(lv is None for lv in levels) else levels)
     except SmallstateError:
         for k in group:
             out[k] = _decode_one(xs[k], w, paths[k], None, True)

@@ -54,6 +54,8 @@ class ExpandedLattice:
     source: Lattice | None = None  # the prepared input lattice
     arc: np.ndarray | None = None  # (E,) the arc of `source` each arc expands
     first_pass: tuple[float, list[str]] | None = None  # (am_scale, the decoder's best path under it), when known
+    # (N,) each node's lattice state's level: every arc goes up a level, so passes can go a level at a time
+    node_level: np.ndarray | None = None
 
     # ---- weights -> costs ------------------------------------------------------------
     @staticmethod

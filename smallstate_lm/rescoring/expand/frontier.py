@@ -193,7 +193,7 @@ class Run:
             acoustic=lat.acoustic[lat_arc], graph=lat.graph[lat_arc], nn=a["nn"], ng=a["ng"],
             is_word=job.prep.is_word[lat_arc].astype(np.float64), oov=a["oov"], final_node=fin["node"],
             final_acoustic=fin["acoustic"], final_graph=fin["graph"], final_nn=fin["nn"], final_ng=fin["ng"],
-            symbols=lat.symbols, stats=st, source=lat, arc=lat_arc,
+            symbols=lat.symbols, stats=st, source=lat, arc=lat_arc, node_level=job.prep.level[node_lat],
             first_pass=None if job.first_pass_words is None else (am_scale, job.first_pass_words))
 
 

@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ...errors import ConfigError
+from ...errors import ConfigError, SmallstateError
 from ...weights import DECODES, Weights
 from ..decode.confidence_eval import label_transcripts, nce
-from ..decode.transcript import decode_lattice, word_confidences
+from ..decode.transcript import decode_lattices
 from ..decode.wer import align_counts
 
 # posterior scales tried; a scale multiplies the weighted total, so 1 is the rescoring weights' own sharpness
@@ -76,7 +76,7 @@ def _better(a: DecodePoint, b: DecodePoint | None) -> bool:
 
 def _decode_all(expanded: Sequence, refs: Mapping[str, list[str]], w: Weights) -> tuple[int, float, dict]:
     """(word errors, NCE of the confidences, the words of each lattice) of every lattice decoded under `w`."""
-    out = {e.name: decode_lattice(e, w) for e in expanded}
+    out = {e.name: d for e, d in zip(expanded, _decoded(expanded, w))}
     errors = sum(align_counts(refs[u], d.words).errors for u, d in out.items())
     score = nce(*label_transcripts(refs, {u: (d.words, d.confidences) for u, d in out.items()}))
     return errors, score, {u: d.words for u, d in out.items()}
@@ -84,11 +84,13 @@ def _decode_all(expanded: Sequence, refs: Mapping[str, list[str]], w: Weights) -
 
 def _confidence_scale(expanded, refs, w: Weights, errors: int) -> tuple[Weights, float, list[DecodePoint]]:
     """`w` with the posterior_scale whose confidences of `w`'s transcripts have the highest NCE."""
-    words = {e.name: decode_lattice(e, w).words for e in expanded}
+    words = [d.words for d in _decoded(expanded, w)]
     points, best = [], None
     for s in POSTERIOR_GRID:
         ws = dataclasses.replace(w, posterior_scale=s)
-        hyps = {e.name: (words[e.name], word_confidences(e, ws, words[e.name])) for e in expanded}
+        # the confidences of those words, each lattice aligned to them (a Viterbi decode given its words)
+        conf = _decoded(expanded, dataclasses.replace(ws, decode="viterbi"), words)
+        hyps = {e.name: (ww, d.confidences) for e, ww, d in zip(expanded, words, conf)}
         p = DecodePoint(w.decode, "posterior_scale", s, errors, nce(*label_transcripts(refs, hyps)))
         points.append(p)
         if _better(p, best):
@@ -135,3 +137,13 @@ def choose_decode(expanded: Sequence, refs: Mapping[str, list[str]], tuned: Weig
         else "mbr"
     errors, score, w = cands[pick]
     return DecodeChoice(w, errors, score, points)
+
+
+def _decoded(expanded: Sequence, w: Weights, words: Sequence[list[str]] | None = None) -> list:
+    """`decode_lattices` of every lattice under `w` (given its words, where `words` has them); the first
+    lattice's error, if any, is raised."""
+    out = decode_lattices(expanded, w, words if words is not None else [None] * len(expanded))
+    for d in out:
+        if isinstance(d, SmallstateError):
+            raise d
+    return out
