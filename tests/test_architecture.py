@@ -161,3 +161,15 @@ def test_an_ngram_only_rescore_imports_no_torch(kenlm_model, tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
     assert (tmp_path / "out" / "best.txt").exists() and (tmp_path / "w.json").exists()
+
+
+def test_sizing_tries_imports_no_torch():
+    """The service's front-ends price requests by trie sizes: scoring/trie (and the path choice's costs) must
+    not pull torch in; only the scorer and tree attention do."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport smallstate_lm.scoring.trie, smallstate_lm.scoring.paths\n"
+            "print('torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr

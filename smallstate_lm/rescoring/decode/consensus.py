@@ -201,6 +201,8 @@ class Aligner:
         """`confidences_of` for every lattice, keys[k] (decoder ids, negative: a word no arc has) for lattice k,
         in one set of passes; only each word's own bin is summed (its mass in its slot), not whole sausages."""
         hyp, lens = _padded([np.where(np.asarray(k, dtype=np.int64) >= 0, k, -2) for k in keys], self.n_lattices)
+        if hyp.shape[1] == 0:
+            return [[] for _ in keys]
         _, choice, cells, _ = self._passes(hyp, lens)
         arc, q, m = cells
         Q = hyp.shape[1]
