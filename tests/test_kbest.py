@@ -181,3 +181,20 @@ def test_nbest_paths_equal_expanded_lattice_nbest(expanded, w):
             assert same_dicts(new, reference_nbest(x, w, n)), (x.name, n)
             assert len({tuple(d["words"]) for d in new}) == len(new)
         assert nbest_paths(x, w, 1)[0].words == x.best_words(w)
+
+
+def test_best_costs_of_many_dags_are_each_ones_own_forward_pass(expanded):
+    """`best_costs` relaxes many DAGs a level at a time; the k-best search started from them finds what it
+    finds from its own forward pass, exactly."""
+    from smallstate_lm.rescoring.lattices.graph import state_levels
+    from smallstate_lm.rescoring.lattices.kbest import _graph, _LazyKbest, best_costs
+
+    dags = [Dag(*random_dag(seed)) for seed in range(30)]
+    levels = [state_levels(d.n_nodes, d.src, d.dst) for d in dags]
+    for d, got in zip(dags, best_costs(dags, levels)):
+        own = _LazyKbest(d.n_nodes, *_graph(*d))._forward(d.n_nodes + 1)
+        assert np.array_equal(got, np.asarray(own))
+    w = WEIGHTS[0]
+    lat_dags = [x.dag(w) for x in expanded]
+    for x, d, b in zip(expanded, lat_dags, best_costs(lat_dags, [x.node_level for x in expanded])):
+        assert nbest_paths(x, w, 10, d, b) == nbest_paths(x, w, 10)

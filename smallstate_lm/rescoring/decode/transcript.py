@@ -41,8 +41,8 @@ def decode_lattice(x, w, path_words: Sequence[str] | None = None, frame_shift: f
     is 0), with confidences from the lattice aligned to the transcript at w.posterior_scale. `path_words`: the
     best path's words when already known (the n-best's first); `frame_shift`: seconds per transition-id, to also
     give word times (raises ConfigError for a lattice without times, as a CTM does). Without `confidences` (and
-    without word times) a Viterbi decode is the best path alone, with empty confidence lists: a forward-backward
-    and an alignment per lattice cost about as much as expanding it with an n-gram."""
+    without word times) a Viterbi decode is the best path alone, with empty confidence lists. Many lattices'
+    confidences cost several times less made together (`decode_lattices`)."""
     path = list(path_words) if path_words is not None else x.best_words(w)
     if w.decode == "viterbi" and not confidences and frame_shift is None:
         return Decoded(path, [], path, [])
@@ -73,16 +73,18 @@ def decode_lattice(x, w, path_words: Sequence[str] | None = None, frame_shift: f
 
 
 def decode_lattices(xs: Sequence, w, path_words: Sequence[Sequence[str] | None], frame_shift: float | None = None,
-                    confidences: bool = True, max_cells: int = ALIGN_CELLS) -> list[Decoded | SmallstateError]:
+                    confidences: bool = True, max_cells: int = ALIGN_CELLS,
+                    dags: Sequence | None = None) -> list[Decoded | SmallstateError]:
     """`decode_lattice` of each of `xs` (path_words[k] for xs[k]), in order; a lattice's SmallstateError comes
     back in its place. The best paths' confidences (Viterbi, no word times) are aligned for many lattices in
     the same passes, a level of all of them at a time: the same numbers at a fraction of the cost, since a
     pass over one small lattice is mostly the fixed cost of its levels' array operations. The lattices go in
-    order of hypothesis length, in groups of at most `max_cells` (arcs x positions) of working arrays."""
+    order of hypothesis length, in groups of at most `max_cells` (arcs x positions) of working arrays; `dags`:
+    their `dag(w)`, when already made."""
     if w.decode != "viterbi" or not confidences or frame_shift is not None or len(xs) < 2:
         return [_decode_one(x, w, p, frame_shift, confidences) for x, p in zip(xs, path_words)]
     paths = [list(p) if p is not None else x.best_words(w) for x, p in zip(xs, path_words)]
-    dags = [x.dag(w) for x in xs]
+    dags = [x.dag(w) for x in xs] if dags is None else dags
     out: list[Decoded | SmallstateError] = [None] * len(xs)  # type: ignore[list-item]
     group: list[int] = []
     cells = 0

@@ -26,6 +26,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from .graph import viterbi
+
 # Candidate pops allowed over all nodes before the search gives up (a safety net: the natural
 # bound above only exceeds it for very large lattices with a large n).
 DEFAULT_MAX_PATHS = 2_000_000
@@ -54,11 +56,11 @@ def _graph(n_nodes, src, dst, cost, final_node, final_cost, word_key):
 class _LazyKbest:
     """Derivation lists of one DAG; node `n_nodes` is the virtual sink, arcs E.. are the finals."""
 
-    def __init__(self, n_nodes, src, dst, cost, word, in_start, in_arcs):
+    def __init__(self, n_nodes, src, dst, cost, word, in_start, in_arcs, best_in=None):
         self.n_arcs, self.sink = len(src) - int(in_start[-1] - in_start[-2]), n_nodes  # finals come last
         self.in_start, self.in_arcs = in_start.tolist(), in_arcs.tolist()
         self.src, self.cost, self.word = src.tolist(), cost.tolist(), word.tolist()
-        alpha = self._forward(n_nodes + 1)
+        alpha = self._forward(n_nodes + 1) if best_in is None else best_in
         # cost of each arc's best derivation: the key of its rank-0 candidate at the arc's target
         self.arc_best = (np.asarray(alpha)[src] + cost).tolist()
         # (cost, arc, rank at source, prefix) per node, made when first asked for: most nodes never are
@@ -163,7 +165,8 @@ class Dag(NamedTuple):
     word_key: Sequence
 
 
-def kbest_paths(dag: Dag, n: int, max_paths: int = DEFAULT_MAX_PATHS) -> list[tuple[float, np.ndarray, int]]:
+def kbest_paths(dag: Dag, n: int, max_paths: int = DEFAULT_MAX_PATHS,
+                best_in: np.ndarray | None = None) -> list[tuple[float, np.ndarray, int]]:
     """The n cheapest distinct word sequences of a DAG, cheapest first: (total cost, the arcs of
     the sequence's cheapest path from node 0 in order, the index into final_node it ends with).
 
@@ -175,12 +178,13 @@ def kbest_paths(dag: Dag, n: int, max_paths: int = DEFAULT_MAX_PATHS) -> list[tu
 
     `max_paths` caps the candidate derivations examined over all nodes. When the cap is hit the
     sequences found so far are returned (they are the true best ones, in order, just fewer than
-    n) and a KbestTruncated warning says so; it never returns a wrong sequence or total."""
+    n) and a KbestTruncated warning says so; it never returns a wrong sequence or total. `best_in`: the best
+    cost from the start to every node and the sink, when known (`best_costs`)."""
     final_node = np.asarray(dag.final_node, dtype=np.int64)
     if n < 1 or len(final_node) == 0:
         return []
     graph = _graph(dag.n_nodes, dag.src, dag.dst, dag.cost, final_node, dag.final_cost, dag.word_key)
-    kb = _LazyKbest(dag.n_nodes, *graph)
+    kb = _LazyKbest(dag.n_nodes, *graph, best_in=best_in)
     sink = kb.sink
     for k in range(n):
         if not kb.ensure(sink, k, max_paths):
@@ -220,11 +224,28 @@ class ScoredPath:
                 "n_words": self.n_words, "n_oov": self.n_oov, "total": self.total}
 
 
-def nbest_paths(expanded, w, n: int) -> list[ScoredPath]:
+def best_costs(dags: Sequence[Dag], levels: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each DAG's best cost from its start to every node and, last, to its virtual sink (what the k-best search
+    starts from): the DAGs laid end to end, a level of all of them relaxed at a time (`graph.viterbi`), the same
+    sums and minima as one at a time. `levels`: each one's node levels (every arc going up a level)."""
+    sizes = [int(d.n_nodes) + 1 for d in dags]  # each DAG's nodes, then its sink
+    off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    src = np.concatenate([np.concatenate([np.asarray(d.src, np.int64), np.asarray(d.final_node, np.int64)]) + o
+                          for d, o in zip(dags, off[:-1].tolist())] or [np.zeros(0, np.int64)])
+    dst = np.concatenate([np.concatenate([np.asarray(d.dst, np.int64), np.full(len(d.final_node), n - 1)]) + o
+                          for d, o, n in zip(dags, off[:-1].tolist(), sizes)] or [np.zeros(0, np.int64)])
+    cost = np.concatenate([np.concatenate([np.asarray(d.cost, np.float64), np.asarray(d.final_cost, np.float64)])
+                           for d in dags] or [np.zeros(0)])
+    level = np.concatenate([np.append(lv, int(np.max(lv, initial=0)) + 1) for lv in levels] or [np.zeros(0, np.int64)])
+    dist, _ = viterbi(int(off[-1]), src, dst, cost, level.astype(np.int64), sources=off[:-1])
+    return [dist[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())]
+
+
+def nbest_paths(expanded, w, n: int, dag: Dag | None = None, best_in: np.ndarray | None = None) -> list[ScoredPath]:
     """`ExpandedLattice.nbest(w, n)`: the n best distinct word sequences of an expanded lattice
-    under weights `w`, best first."""
+    under weights `w`, best first; `dag` (its `dag(w)`) and `best_in` (`best_costs`) when already made."""
     x = expanded
-    paths = kbest_paths(x.dag(w), n)
+    paths = kbest_paths(x.dag(w) if dag is None else dag, n, best_in=best_in)
     per_arc = np.stack([x.acoustic, x.graph, x.nn, x.ng, x.is_word, x.oov])  # one gather per path, not six
     per_final = np.stack([x.final_acoustic, x.final_graph, x.final_nn, x.final_ng])
     out = []

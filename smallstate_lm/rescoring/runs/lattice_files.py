@@ -20,7 +20,7 @@ from ...weights import Weights
 from ..formats.fst_binary import write_fst_bytes
 from ..formats.k2 import K2_KINDS, K2Writer
 from ..formats.kaldi.write import KaldiArchiveWriter
-from ..lattices.kbest import ScoredPath
+from ..lattices.kbest import ScoredPath, best_costs, nbest_paths
 from ..lattices.lattice import Lattice, LatticeFormatError, SymbolTable
 from ..decode.transcript import decode_lattices
 from ..expand.rescorer import ExpandedLattice, ExpandStats, LatticeRescorer
@@ -119,10 +119,15 @@ class LatticeResult:
         """The results of expanded lattices (input path, lattice), in order; a lattice whose decode fails
         (e.g. --ctm for a lattice without times) gets a failure result naming it. Their best paths'
         confidences are aligned together (`decode_lattices`)."""
-        hyps = [exp.nbest(w, nbest) if nbest > 0 else [] for _, exp in done]
+        exps = [exp for _, exp in done]
+        dags = [exp.dag(w) for exp in exps]
+        best_in = [None] * len(exps)
+        if nbest > 0 and exps and all(exp.node_level is not None for exp in exps):
+            best_in = best_costs(dags, [exp.node_level for exp in exps])
+        hyps = [nbest_paths(exp, w, nbest, dag, b) if nbest > 0 else [] for exp, dag, b in zip(exps, dags, best_in)]
         # confidences only where an output holds them: `--nbest 0` without a CTM keeps the best-path-only speed
-        decoded = decode_lattices([exp for _, exp in done], w, [h[0].words if h else None for h in hyps],
-                                  ctm.seconds_per_tid if ctm is not None else None, confidences=nbest > 0)
+        decoded = decode_lattices(exps, w, [h[0].words if h else None for h in hyps],
+                                  ctm.seconds_per_tid if ctm is not None else None, confidences=nbest > 0, dags=dags)
         out = []
         for (path, exp), h, d in zip(done, hyps, decoded):
             if isinstance(d, SmallstateError):
