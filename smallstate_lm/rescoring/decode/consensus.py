@@ -120,14 +120,16 @@ class Aligner:
         src = np.concatenate([d.src, d.final_node])[by_lattice]
         dst = np.concatenate([d.dst, self.sinks[lat_fin]])[by_lattice]
         level = np.concatenate([level, np.full(L, level.max(initial=0) + 1)])  # sinks come after every node
-        # arcs numbered by their target's level, then target: each level of the forward pass is one slice
-        order = np.argsort(level[dst] * (n + L) + dst, kind="stable")
+        # arcs numbered by their target's level, those alone into their target first, then by target: each level
+        # of the forward pass is one slice, and a target with one arc in takes that arc's values as they are
+        multi = (np.bincount(dst, minlength=n + L) > 1)[dst]
+        order = np.argsort((level[dst] * 2 + multi) * (n + L) + dst, kind="stable")
         lat = lat[by_lattice]
         self.src, self.dst, self.lat = src[order], dst[order], lat[order]
         self._order, self._lat_given = order, lat
         self.key = np.concatenate([d.word_key, np.full(len(lat_fin), -1)])[by_lattice][order]  # -1: epsilon
         log_w = -scale * np.concatenate([d.cost, d.final_cost])[by_lattice][order]
-        self.groups = _slices_by_level(self.dst, level)
+        self.groups = _slices_by_level(self.dst, level, multi[order])
         alpha = self._forward_sums(log_w, names)
         # P(e | dst): sums to 1 into each node; 0 from a node no path reaches (its arcs then add nothing)
         with np.errstate(invalid="ignore"):
@@ -152,13 +154,15 @@ class Aligner:
         naming the first lattice with no complete path of finite cost."""
         alpha = np.full(self.n_rows, -np.inf)
         alpha[self.starts[self.sizes > 0]] = 0.0  # each lattice's start
-        last = len(self.groups) - 1
-        for i, (a, b, nodes, starts) in enumerate(self.groups):
-            vals = alpha[self.src[a:b]] + log_w[a:b]
-            if i == last and nodes[0] >= self.sinks[0]:  # the totals, summed as forward_backward sums them
+        for a, m, b, alone, nodes, starts in self.groups:
+            alpha[alone] = alpha[self.src[a:m]] + log_w[a:m]  # a sum of one term is that term
+            if m == b:
+                continue
+            vals = alpha[self.src[m:b]] + log_w[m:b]
+            if nodes[0] >= self.n_rows - self.n_lattices:  # the totals, summed as forward_backward sums them
                 alpha[nodes] = np.logaddexp.reduceat(vals, starts)
             else:
-                seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, b - a)))
+                seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, b - m)))
                 alpha[nodes] = _logsumexp_runs(vals, starts, seg)
         bad = np.flatnonzero(~np.isfinite(alpha[self.sinks]))
         if len(bad):
@@ -241,10 +245,12 @@ class Aligner:
         A[:, self.starts] = np.arange(W)[:, None]
         choice = np.empty((W, len(self.src)), dtype=np.int8)
         other = self._other_words(hyp)
-        for a, b, nodes, starts in self.groups:
+        for a, m, b, alone, nodes, starts in self.groups:
             choice[:, a:b], arc_a = self._forward_arcs(A[:, self.src[a:b]], self.key[a:b], other[:, a:b])
             arc_a *= self.share[a:b]
-            A[:, nodes] = np.add.reduceat(arc_a, starts, axis=1)
+            A[:, alone] = arc_a[:, : m - a]
+            if m < b:
+                A[:, nodes] = np.add.reduceat(arc_a[:, m - a :], starts, axis=1)
         cells, B = self._backward(choice, lens)
         return A, choice, cells, B
 
@@ -305,18 +311,21 @@ class Aligner:
         Only cells that carry mass are followed (about one in twelve): a level's nodes' cells with mass go into
         their arcs (times each arc's share); a cell that deletes r_q hands its mass down to q-1 in the same arc,
         the others to the arc's source (at q after an insertion, q-1 after a substitution)."""
-        B = np.zeros((choice.shape[0], self.n_rows))
-        B[lens, self.sinks] = 1.0
-        flat_b, rows = B.reshape(-1), self.n_rows
+        width = choice.shape[0]
+        B = np.zeros((self.n_rows, width))  # node by node: a level's nodes are read as whole rows
+        B[self.sinks, lens] = 1.0
+        flat_b = B.reshape(-1)
         seen: list[tuple] = []
         for nodes in self.levels[:0:-1]:  # level 0 has no arcs in
-            qs, js = np.nonzero(B[:, nodes])
+            at_level = B[nodes]
+            js, qs = np.nonzero(at_level)
+            mass = at_level[js, qs]
             v = nodes[js]
             count = self.in_count[v]
             owner = np.repeat(np.arange(len(v)), count)
             arc = self.in_first[v][owner] + np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
             q = qs[owner]
-            m = B[q, v[owner]] * self.share[arc]
+            m = mass[owner] * self.share[arc]
             live = m > 0
             arc, q, m = arc[live], q[live], m[live]
             while len(arc):
@@ -324,11 +333,11 @@ class Aligner:
                 c = choice[q, arc]
                 down = c == DEL
                 out = ~down
-                np.add.at(flat_b, (q[out] - (c[out] == SUB)) * rows + self.src[arc[out]], m[out])
+                np.add.at(flat_b, self.src[arc[out]] * width + q[out] - (c[out] == SUB), m[out])
                 arc, q, m = arc[down], q[down] - 1, m[down]
         cells = tuple(np.concatenate(x) if seen else np.zeros(0, dtype=t)
                       for x, t in zip(zip(*seen) if seen else ((), (), ()), (np.int64, np.int64, np.float64)))
-        return cells, B
+        return cells, B.T
 
     def _arcs_of(self, k: int) -> np.ndarray:
         """Lattice k's arcs (its finals last) in the order it gave them: a sausage sums them in that order."""
@@ -458,16 +467,18 @@ def _padded(hyps: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]
     return out, lens
 
 
-def _slices_by_level(node: np.ndarray, level: np.ndarray) -> list:
-    """For arcs already numbered by (level of `node`, `node`): per level (first arc, end, its distinct nodes,
-    where each node's arcs start within the slice)."""
+def _slices_by_level(node: np.ndarray, level: np.ndarray, multi: np.ndarray) -> list:
+    """For arcs already numbered by (level of `node`, `multi`: whether `node` has other arcs in, `node`): per
+    level (its first arc, the first of its arcs into nodes with several, its end, the nodes with one arc in,
+    the nodes with several, where each of those nodes' arcs starts among the latter)."""
     cuts = np.flatnonzero(np.diff(level[node])) + 1
     bounds = [0, *cuts.tolist(), len(node)] if len(node) else []
     out = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        t = node[a:b]
-        starts = np.flatnonzero(np.concatenate([[True], t[1:] != t[:-1]]))
-        out.append((a, b, t[starts], starts))
+        m = a + int(np.count_nonzero(~multi[a:b]))
+        t = node[m:b]
+        starts = np.flatnonzero(np.concatenate([[True], t[1:] != t[:-1]])) if len(t) else np.zeros(0, np.int64)
+        out.append((a, m, b, node[a:m], t[starts], starts))
     return out
 
 
