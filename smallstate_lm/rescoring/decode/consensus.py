@@ -82,13 +82,13 @@ class Alignment:
 
 
 class Aligner:
-    """Lattices prepared once for repeated alignments (see the module docstring): the arcs on complete paths,
-    finals as arcs into a sink per lattice, each arc's forward share P(e | dst), the arcs grouped by their
-    target's level (forward) and by their source's level (backward). One lattice (`Aligner(dag, ...)`) or
-    several (`Aligner.many`): several are aligned in the same passes, a level of all of them at a time, each to
-    its own hypothesis, with the choices each would get alone; each lattice's kept arcs, then its finals, are
-    numbered together. The passes hold (positions, arcs) arrays: runs along the hypothesis are then operations
-    on whole rows."""
+    """Lattices prepared once for repeated alignments (see the module docstring): finals as arcs into a sink per
+    lattice, each arc's forward share P(e | dst) (0 from a node no path reaches; arcs into dead ends get no mass
+    back), the arcs numbered by their target's level (forward) and each node's arcs in (backward, which follows
+    only the cells that carry mass). One lattice (`Aligner(dag, ...)`) or several (`Aligner.many`): several are
+    aligned in the same passes, a level of all of them at a time, each to its own hypothesis, with the choices
+    each would get alone (a node's arcs are summed in the order its lattice gave them). The forward pass holds
+    (positions, arcs) arrays: runs along the hypothesis are then operations on whole rows."""
 
     def __init__(self, dag: Dag, scale: float, node_times: np.ndarray | None = None, name: str = "lattice"):
         self._build(lay_out([dag]), scale, None if node_times is None else [node_times], [name])
@@ -374,19 +374,6 @@ class Aligner:
         return Alignment(np.asarray(hyp), risk, gamma, ts, te)
 
 
-def _deletion_runs(f: np.ndarray, dele: np.ndarray) -> np.ndarray:
-    """(Q+1, n): f(q) plus the mass of every position above q that reaches it through deletions (dele(j): the
-    mass at j moves to j-1), i.e. the sum of f over q..end, end being the top of q's run of deletions."""
-    width = f.shape[0]
-    ends_here = np.ones(f.shape, dtype=bool)  # q's run stops at q unless q+1 deletes down into it
-    ends_here[:-1] = ~dele[1:]
-    top = np.where(ends_here, np.arange(width)[:, None], width)
-    top = np.minimum.accumulate(top[::-1], axis=0)[::-1]  # the first run end at or above q
-    suffix = np.zeros((width + 1, f.shape[1]))
-    suffix[:-1] = np.cumsum(f[::-1], axis=0)[::-1]
-    return np.maximum(suffix[:-1] - np.take_along_axis(suffix, top + 1, axis=0), 0.0)
-
-
 @dataclass
 class Consensus:
     """A consensus decode: the word keys of the hypothesis, its words' confidences, its approximate Bayes risk
@@ -443,19 +430,6 @@ def aligned_confidences(dag: Dag, scale: float, keys: Sequence[int], name: str =
     """Each word's posterior in its own bin when the lattice is aligned to `keys` (one pass): the confidence of
     a given transcript, e.g. the Viterbi path's (0 for a word the lattice lacks)."""
     return Aligner(dag, scale, None, name).confidences_of(keys)
-
-
-def _runs_by_level(node: np.ndarray, level: np.ndarray, deepest_first: bool) -> list:
-    """Arcs grouped by the level of `node` (their target or their source), each group sorted by that node:
-    per group (its arcs, its distinct nodes, where each node's arcs start), for one reduction per level."""
-    order = np.argsort(level[node] * (int(node.max(initial=0)) + 1) + node, kind="stable")
-    cuts = np.flatnonzero(np.diff(level[node[order]])) + 1
-    out = []
-    for g in np.split(order, cuts) if len(order) else []:
-        t = node[g]
-        starts = np.flatnonzero(np.concatenate([[True], t[1:] != t[:-1]]))
-        out.append((g, t[starts], starts))
-    return out[::-1] if deepest_first else out
 
 
 def _padded(hyps: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
