@@ -157,6 +157,21 @@ def test_lm_weight_zero_gives_the_first_pass_best_path(path, bigram):
     assert got.words == kaldifst_best_words(path, sym, 1 / 9.5)
 
 
+def test_a_run_without_references_skips_the_first_pass_and_nothing_else(bigram):
+    """The decoder's own best path is found while preparing only for a first-pass WER; without it the
+    expansion is the same, and asking for the first pass still answers (from the lattice itself)."""
+    sym = SymbolTable.read(LAT_DIR / "words.txt")
+    lats = [read_fst(p, sym) for p in _dev_lattices()]
+    w = Weights(am_scale=1 / 9.5, ngram_weight=0.6, lm_weight=0.0)
+    both = [dict(LatticeRescorer(w, ngram=bigram, config=ExpandConfig(first_pass=fp)).expand_many(lats))
+            for fp in (True, False)]
+    for i, x in both[0].items():
+        y = both[1][i]
+        assert x.first_pass is not None and y.first_pass is None
+        assert np.array_equal(x.src, y.src) and np.array_equal(x.ng, y.ng) and x.nbest(w, 5) == y.nbest(w, 5)
+        assert y.first_pass_words(w.am_scale) == x.first_pass_words(w.am_scale) == x.first_pass[1]
+
+
 def test_rescored_lattice_round_trips_and_keeps_the_best_path(tmp_path, tiny_lm_dir, bigram):
     from smallstate_lm.rescoring.formats.lattice_io import write_fst
 

@@ -105,7 +105,7 @@ def rescore(
             note("mbr_scale applies to n-best lists and to lattices with --decode mbr; these are decoded by their "
                  "best path")
         expand = ExpandConfig(max_ngram_order=None if exact else max_ngram_order, beam=beam,
-                              max_per_state=max_per_state, max_states=max_states)
+                              max_per_state=max_per_state, max_states=max_states, first_pass=refs is not None)
         outputs = RunOptions(nbest, ctm=CtmOptions(frame_shift, subsampling_factor) if ctm else None,
                              archive_text=archive_text)
         _rescore_lattices(sources, LatticeRun(words, lm, ngram, w, expand, outputs, device, jobs, ray, ray_actors,

@@ -135,8 +135,10 @@ class LatticeJob:
         return self.start_step + self.n_levels - 1
 
 
-def prepare_group(jobs: list[LatticeJob], w: Weights, vocab: Vocabulary | None, cache: LmCache) -> None:
-    """Set the arrays of lattices joining a run, and the decoder's own best path of each."""
+def prepare_group(jobs: list[LatticeJob], w: Weights, vocab: Vocabulary | None, cache: LmCache,
+                  first_pass_words: bool = True) -> None:
+    """Set the arrays of lattices joining a run, and (with `first_pass_words`) the decoder's own best path of
+    each."""
     if not jobs:
         return
     lats = [j.lat for j in jobs]
@@ -147,9 +149,11 @@ def prepare_group(jobs: list[LatticeJob], w: Weights, vocab: Vocabulary | None, 
                             w.am_scale * e.final_acoustic + lm_scale * e.final_graph, level)
     words = _word_arrays(lats, e, vocab, cache)
     first_pass = w.am_scale * e.acoustic + w.graph_scale * e.graph
-    fp_words = _first_pass_words(lats, e, e.graph + w.am_scale * e.acoustic,
-                                 np.where(np.isfinite(e.final_graph), e.final_graph + w.am_scale * e.final_acoustic,
-                                          np.inf), level)
+    fp_words = [None] * len(lats)
+    if first_pass_words:
+        fp_words = _first_pass_words(lats, e, e.graph + w.am_scale * e.acoustic,
+                                     np.where(np.isfinite(e.final_graph),
+                                              e.final_graph + w.am_scale * e.final_acoustic, np.inf), level)
     for job, arrays, words_of in zip(jobs, e.split([level, beta], [*words, first_pass]), fp_words):
         job.prep = Prepared(*arrays)
         job.n_levels = int(job.prep.level.max()) + 1

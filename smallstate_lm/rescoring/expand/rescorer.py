@@ -48,6 +48,9 @@ class ExpandConfig:
     # a lattice built wide (thousands of words after every history) cannot take all of a server's memory.
     # None: no bound
     max_level_bytes: int | None = None
+    # each lattice's own best path (the decoder's transcript) found while preparing it, for the first pass's
+    # WER beside the rescored one; a run without references does without
+    first_pass: bool = True
 
     def __post_init__(self):
         if self.max_ngram_order is not None and self.max_ngram_order < 1:
@@ -230,7 +233,7 @@ class _Schedule:
         left out; the others start."""
         r = self.r
         try:
-            prepare_group(jobs, r.w, r.vocab, r.cache)
+            prepare_group(jobs, r.w, r.vocab, r.cache, r.cfg.first_pass)
         except SmallstateError as e:
             if len(jobs) > 1:  # one at a time, to find which
                 return [x for one in jobs for x in self._join([one], step)]

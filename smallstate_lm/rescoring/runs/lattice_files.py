@@ -115,10 +115,12 @@ class LatticeResult:
 
     @classmethod
     def many(cls, done: Sequence[tuple[str, ExpandedLattice]], w: Weights, nbest: int = 10,
-             write_lattices: bool = True, ctm: CtmOptions | None = None) -> list[LatticeResult]:
+             write_lattices: bool = True, ctm: CtmOptions | None = None,
+             first_pass: bool = True) -> list[LatticeResult]:
         """The results of expanded lattices (input path, lattice), in order; a lattice whose decode fails
         (e.g. --ctm for a lattice without times) gets a failure result naming it. Their best paths'
-        confidences are aligned together (`decode_lattices`)."""
+        confidences are aligned together (`decode_lattices`). Without `first_pass`, `first_pass` stays empty
+        (no first-pass WER to report)."""
         exps = [exp for _, exp in done]
         dags = [exp.dag(w) for exp in exps]
         best_in = [None] * len(exps)
@@ -134,7 +136,7 @@ class LatticeResult:
                 out.append(cls.failure(path, f"{path}: {d}"))
                 continue
             out.append(cls(path=str(path), name=exp.name, nbest=h, best=d.words,
-                           first_pass=exp.first_pass_words(w.am_scale),
+                           first_pass=exp.first_pass_words(w.am_scale) if first_pass else [],
                            lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats, ctm=d.timed,
                            confidences=d.confidences, path_confidences=d.path_confidences, decode=w.decode))
         return out
@@ -372,7 +374,8 @@ def rescore_lattices(inputs: Iterable[Path | str | ResolvedInput | LatticeInput]
     done: list[tuple[int, LatticeInput, ExpandedLattice]] = []
 
     def results() -> Iterator[tuple[int, LatticeResult]]:
-        rs = LatticeResult.many([(it.origin, exp) for _, it, exp in done], rescorer.w, nbest, write_lattices, ctm)
+        rs = LatticeResult.many([(it.origin, exp) for _, it, exp in done], rescorer.w, nbest, write_lattices, ctm,
+                                rescorer.cfg.first_pass)
         for (i, it, _), r in zip(done, rs):
             if r.error is None:
                 r.name, r.archive, r.kind = it.name, it.archive, it.kind
