@@ -15,6 +15,7 @@ from smallstate_lm.rescoring.decode.consensus import Aligner, aligned_confidence
 from smallstate_lm.rescoring.decode.transcript import Decoded, decode_lattice, decode_lattices
 from smallstate_lm.rescoring.expand.rescorer import LatticeRescorer
 from smallstate_lm.rescoring.formats.lattice_io import read_fst, read_slf
+from smallstate_lm.rescoring.lattices.kbest import Dag
 from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 from smallstate_lm.weights import Weights
 
@@ -87,3 +88,46 @@ def test_consensus_and_word_times_still_go_one_lattice_at_a_time(rescored):
         assert got == decode_lattice(x, mbr)
     for got, x in zip(decode_lattices(slfs, w, [None] * len(slfs), frame_shift=0.01), slfs):
         assert got == decode_lattice(x, w, frame_shift=0.01) and got.timed
+
+
+def test_several_lattices_aligned_together_give_each_its_own_sausage():
+    dags = [random_dag(seed) for seed in range(12)]
+    rng = np.random.default_rng(9)
+    keys = [rng.integers(0, 5, int(rng.integers(0, 6))).tolist() for _ in dags]  # 4: a word no arc has
+    alone = [Aligner(d, 0.8) for d in dags]
+    together = Aligner.many(dags, 0.8, [f"dag {i}" for i in range(len(dags))])
+    got_all = together.align_many([together.keys_to_index(kk, k) for k, kk in enumerate(keys)])
+    for a, kk, got in zip(alone, keys, got_all):
+        one = a.align(a.keys_to_index(kk))
+        assert np.array_equal(got.hyp, one.hyp) and np.allclose(got.gamma, one.gamma, rtol=0, atol=1e-12)
+        assert got.risk == pytest.approx(one.risk, abs=1e-12)
+
+
+def test_empty_hypotheses_and_a_node_no_finite_path_reaches():
+    """Empty hypotheses have no confidences; an arc of infinite cost into a node leaves that node out of
+    every posterior, as if the arc were not there (not a NaN that spreads to the nodes after it)."""
+    dags = [random_dag(seed) for seed in range(3)]
+    assert Aligner.many(dags, 1.0, ["a", "b", "c"]).confidences_many([[], [], []]) == [[], [], []]
+    inf = Dag(3, np.array([0, 1, 0]), np.array([1, 2, 2]), np.array([np.inf, 1.0, 1.0]), np.array([2]),
+              np.array([0.0]), np.array([7, 7, 7]))
+    without = Dag(3, np.array([0]), np.array([2]), np.array([1.0]), np.array([2]), np.array([0.0]), np.array([7]))
+    assert aligned_confidences(inf, 1.0, [7]) == aligned_confidences(without, 1.0, [7]) == [1.0]
+    assert Aligner(inf, 1.0).align(np.array([1])).risk == 0.0
+    with pytest.raises(ValueError, match="2 hypotheses for 3 lattices"):
+        Aligner.many(dags, 1.0, ["a", "b", "c"]).confidences_many([[], []])
+    with pytest.raises(ValueError, match="every arc must go up a level"):
+        Aligner.many([dags[0]], 1.0, ["a"], [np.zeros(dags[0].n_nodes, dtype=np.int64)])
+
+
+def test_a_result_that_fails_is_that_lattices_error_not_the_runs(rescored):
+    """A lattice's error while its result is made (here: a rescored lattice cannot be written without an
+    acoustic scale) fails that lattice, with its path, and the run goes on."""
+    from smallstate_lm.rescoring.runs.lattice_files import LatticeResult
+
+    w, lats = rescored
+    done = [(f"in/{x.name}", x) for x in lats[:3]]
+    results = LatticeResult.many(done, dataclasses.replace(w, am_scale=0.0), nbest=5)
+    assert [r.path for r in results] == [p for p, _ in done]
+    assert all(r.error and r.error.startswith(r.path) and "am_scale" in r.error for r in results)
+    fine = LatticeResult.many(done, w, nbest=5)
+    assert all(r.error is None and r.nbest and len(r.confidences) == len(r.best) for r in fine)

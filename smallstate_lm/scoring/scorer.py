@@ -47,7 +47,7 @@ class NeuralScorer:
         self.use_tree = use_tree and model.score_tree is not None and model.tree_plan is not None
         self.share_prefixes = share_prefixes
         self.max_work_bytes = max_work_bytes
-        self.trees = TreePlanner(model, batch_tokens, max_work_bytes)
+        self.trees = TreePlanner(model, batch_tokens, max_work_bytes)  # frozen: a scorer's limits never change
         self.tokens_total = 0
         self.tokens_computed = 0
         self.path_costs: PathCosts | None = None  # set by choose_paths

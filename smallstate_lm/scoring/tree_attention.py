@@ -18,6 +18,8 @@ from .trie import PrefixTrie, TreeSize, sorted_groups, trie_size
 # otherwise: small beside a server's memory, ample for n-best lists of ordinary size
 # (a trie past a few thousand nodes runs in blocks, or in sub-tries, within it).
 DEFAULT_MAX_WORK_BYTES = 256 * 2**20
+
+
 class WorkCost(NamedTuple):
     """What scoring some utterances will cost, known before any work: `trie_nodes`, the
     nodes of their prefix tries (every token without prefix sharing), and `nbytes`, the

@@ -45,7 +45,7 @@ import numpy as np
 from ...errors import SmallstateError
 from ..lattices.graph import state_levels
 from ..lattices.kbest import Dag
-from .posteriors import Laid, _logsumexp_runs, lay_out
+from .posteriors import Laid, lay_out, logsumexp_runs
 
 SUB, INS, DEL = 0, 1, 2  # the operation an arc's mass takes at each hypothesis position
 DEFAULT_MAX_ITER = 10
@@ -108,7 +108,12 @@ class Aligner:
                level: np.ndarray | None = None) -> None:
         d, L = laid.dag, laid.n_lattices
         n = int(d.n_nodes)
-        level = state_levels(n, d.src, d.dst) if level is None else np.asarray(level, dtype=np.int64)
+        if level is None:
+            level = state_levels(n, d.src, d.dst)
+        else:
+            level = np.asarray(level, dtype=np.int64)
+            if len(level) != n or (len(d.src) and not bool((level[d.src] < level[d.dst]).all())):
+                raise ValueError("levels must give every node one, and every arc must go up a level")
         if not scale > 0:
             raise SmallstateError(f"{names[0]}: posterior scale must be > 0, got {scale}")
         self.n_lattices, self.starts, self.sinks, self.n_rows = L, laid.node_start[:-1], n + np.arange(L), n + L
@@ -131,9 +136,11 @@ class Aligner:
         log_w = -scale * np.concatenate([d.cost, d.final_cost])[by_lattice][order]
         self.groups = _slices_by_level(self.dst, level, multi[order])
         alpha = self._forward_sums(log_w, names)
-        # P(e | dst): sums to 1 into each node; 0 from a node no path reaches (its arcs then add nothing)
+        # P(e | dst): sums to 1 into each node; 0 from or into a node no path of finite cost reaches (its arcs
+        # then add nothing; -inf - -inf would be NaN, and NaN times 0 would reach every node after it)
+        reached = np.isfinite(alpha[self.src]) & np.isfinite(alpha[self.dst])
         with np.errstate(invalid="ignore"):
-            self.share = np.where(np.isfinite(alpha[self.src]), np.exp(alpha[self.src] + log_w - alpha[self.dst]), 0.0)
+            self.share = np.where(reached, np.exp(alpha[self.src] + log_w - alpha[self.dst]), 0.0)
         # the backward pass visits the nodes a level at a time, deepest first (a node's mass is complete once
         # every arc out of it, all into deeper levels, is done), and follows only the cells that carry mass
         self.levels = _nodes_by_level(level)
@@ -163,7 +170,7 @@ class Aligner:
                 alpha[nodes] = np.logaddexp.reduceat(vals, starts)
             else:
                 seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, b - m)))
-                alpha[nodes] = _logsumexp_runs(vals, starts, seg)
+                alpha[nodes] = logsumexp_runs(vals, starts, seg)
         bad = np.flatnonzero(~np.isfinite(alpha[self.sinks]))
         if len(bad):
             raise SmallstateError(f"{names[int(bad[0])] if len(names) > 1 else names[0]}: no complete path with a "
@@ -204,6 +211,8 @@ class Aligner:
     def confidences_many(self, keys: Sequence[Sequence[int]]) -> list[list[float]]:
         """`confidences_of` for every lattice, keys[k] (decoder ids, negative: a word no arc has) for lattice k,
         in one set of passes; only each word's own bin is summed (its mass in its slot), not whole sausages."""
+        if len(keys) != self.n_lattices:
+            raise ValueError(f"{len(keys)} hypotheses for {self.n_lattices} lattices")
         hyp, lens = _padded([np.where(np.asarray(k, dtype=np.int64) >= 0, k, -2) for k in keys], self.n_lattices)
         if hyp.shape[1] == 0:
             return [[] for _ in keys]

@@ -58,7 +58,7 @@ class _Segments:
             self.levels.reverse()
 
 
-def _logsumexp_runs(values: np.ndarray, starts: np.ndarray, seg: np.ndarray) -> np.ndarray:
+def logsumexp_runs(values: np.ndarray, starts: np.ndarray, seg: np.ndarray) -> np.ndarray:
     """logsumexp of `values` over each run (runs begin at `starts`; `seg`: each value's run); an all -inf run
     gives -inf, without NaN."""
     peak = np.maximum.reduceat(values, starts)
@@ -70,9 +70,9 @@ def _logsumexp_runs(values: np.ndarray, starts: np.ndarray, seg: np.ndarray) -> 
 
 class Laid(NamedTuple):
     """Several Dags laid end to end as one (`dag`: node ids offset, arrays concatenated), and where each one's
-    nodes, arcs and finals start (`node_start`, `arc_start`, `final_start`: (L + 1,) each): the passes of
-    forward-backward and of the alignment then go a level at a time over all of them at once, which is what
-    makes many small lattices cheap (a level's array operations cost about the same for one lattice or 60)."""
+    nodes, arcs and finals start (`node_start`, `arc_start`, `final_start`: (L + 1,) each): the alignment's
+    passes (`consensus.Aligner.many`) then go a level at a time over all of them at once, which is what makes
+    many small lattices cheap (a level's array operations cost about the same for one lattice or 60)."""
 
     dag: Dag
     node_start: np.ndarray
@@ -123,11 +123,11 @@ def log_sums(laid: Laid, scale: float, level: np.ndarray,
     alpha = np.full(n, -np.inf)
     alpha[laid.node_start[:-1][np.diff(laid.node_start) > 0]] = 0.0  # each lattice's start
     for a, nodes, starts, seg in _Segments(level[dst], dst).levels:
-        alpha[nodes] = _logsumexp_runs(alpha[src[a]] + cost[a], starts, seg)
+        alpha[nodes] = logsumexp_runs(alpha[src[a]] + cost[a], starts, seg)
     beta = np.full(n, -np.inf)
     np.logaddexp.at(beta, dag.final_node, final_w)  # a node listed twice as final has both final weights
     for a, nodes, starts, seg in _Segments(level[src], src, descending=True).levels:
-        out = _logsumexp_runs(beta[dst[a]] + cost[a], starts, seg)
+        out = logsumexp_runs(beta[dst[a]] + cost[a], starts, seg)
         beta[nodes] = np.logaddexp(out, beta[nodes])  # a source's own final weight, if any
     ends = alpha[dag.final_node] + final_w
     log_total = np.full(laid.n_lattices, -np.inf)

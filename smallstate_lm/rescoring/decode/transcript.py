@@ -79,7 +79,8 @@ def decode_lattices(xs: Sequence, w, path_words: Sequence[Sequence[str] | None],
     back in its place. The best paths' confidences (Viterbi, no word times) are aligned for many lattices in
     the same passes, a level of all of them at a time: the same numbers at a fraction of the cost, since a
     pass over one small lattice is mostly the fixed cost of its levels' array operations. The lattices go in
-    order of hypothesis length, in groups of at most `max_cells` (arcs x positions) of working arrays; `dags`:
+    order of hypothesis length, in groups of at most `max_cells` (their arcs x their longest hypothesis's
+    positions) of working arrays, a lattice past it alone; `dags`:
     their `dag(w)`, when already made."""
     if w.decode != "viterbi" or not confidences or frame_shift is not None or len(xs) < 2:
         return [_decode_one(x, w, p, frame_shift, confidences) for x, p in zip(xs, path_words)]
@@ -87,14 +88,14 @@ def decode_lattices(xs: Sequence, w, path_words: Sequence[Sequence[str] | None],
     dags = [x.dag(w) for x in xs] if dags is None else dags
     out: list[Decoded | SmallstateError] = [None] * len(xs)  # type: ignore[list-item]
     group: list[int] = []
-    cells = 0
-    for k in sorted(range(len(xs)), key=lambda k: len(paths[k])):
-        size = (len(dags[k].src) + len(dags[k].final_node)) * (len(paths[k]) + 1)
-        if group and cells + size > max_cells:
+    arcs = 0
+    for k in sorted(range(len(xs)), key=lambda k: len(paths[k])):  # the last one added sets the group's width
+        more = len(dags[k].src) + len(dags[k].final_node)
+        if group and (arcs + more) * (len(paths[k]) + 1) > max_cells:
             _decode_group(xs, w, paths, dags, group, out)
-            group, cells = [], 0
+            group, arcs = [], 0
         group.append(k)
-        cells += size
+        arcs += more
     if group:
         _decode_group(xs, w, paths, dags, group, out)
     return out

@@ -40,8 +40,10 @@ from ..formats.lattice_io import (
 from ..nbest.lists import Hypothesis, Utterance, write_nbest_jsonl, write_text
 from ..decode.wer import write_wer_report
 
-# Expanded lattices whose results are made together (their best paths' confidences aligned in the same passes)
+# Expanded lattices whose results are made together (their best paths' confidences aligned in the same passes),
+# and the arcs they may hold between them (some 100 bytes each) before their results are made
 DECODE_BATCH = 64
+DECODE_ARCS = 2_000_000
 
 
 def is_archive_input(spec: str | Path | ResolvedInput) -> bool:
@@ -122,23 +124,40 @@ class LatticeResult:
         confidences are aligned together (`decode_lattices`). Without `first_pass`, `first_pass` stays empty
         (no first-pass WER to report)."""
         exps = [exp for _, exp in done]
-        dags = [exp.dag(w) for exp in exps]
+        dags = [exp.dag(w) for exp in exps] if nbest > 0 else None
         best_in = [None] * len(exps)
-        if nbest > 0 and exps and all(exp.node_level is not None for exp in exps):
+        if dags and all(exp.node_level is not None for exp in exps):
             best_in = best_costs(dags, [exp.node_level for exp in exps])
-        hyps = [nbest_paths(exp, w, nbest, dag, b) if nbest > 0 else [] for exp, dag, b in zip(exps, dags, best_in)]
+        failed: dict[int, SmallstateError] = {}  # a lattice's error is its own result, not the run's
+        hyps: list[list[ScoredPath]] = []
+        for k, exp in enumerate(exps):
+            try:
+                hyps.append(nbest_paths(exp, w, nbest, dags[k], best_in[k]) if dags else [])
+            except SmallstateError as e:
+                failed[k] = e
+                hyps.append([])
+        ok = [k for k in range(len(exps)) if k not in failed]
+        paths = [hyps[k][0].words if hyps[k] else None for k in ok]
+        frame_shift = ctm.seconds_per_tid if ctm is not None else None
         # confidences only where an output holds them: `--nbest 0` without a CTM keeps the best-path-only speed
-        decoded = decode_lattices(exps, w, [h[0].words if h else None for h in hyps],
-                                  ctm.seconds_per_tid if ctm is not None else None, confidences=nbest > 0, dags=dags)
+        decoded = dict(zip(ok, decode_lattices([exps[k] for k in ok], w, paths, frame_shift, confidences=nbest > 0,
+                                               dags=[dags[k] for k in ok] if dags else None)))
         out = []
-        for (path, exp), h, d in zip(done, hyps, decoded):
+        for k, (path, exp) in enumerate(done):
+            err, d = failed.get(k), decoded.get(k)
             if isinstance(d, SmallstateError):
-                out.append(cls.failure(path, f"{path}: {d}"))
-                continue
-            out.append(cls(path=str(path), name=exp.name, nbest=h, best=d.words,
-                           first_pass=exp.first_pass_words(w.am_scale) if first_pass else [],
-                           lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats, ctm=d.timed,
-                           confidences=d.confidences, path_confidences=d.path_confidences, decode=w.decode))
+                err = d
+            if err is None:
+                try:
+                    out.append(cls(path=str(path), name=exp.name, nbest=hyps[k], best=d.words,
+                                   first_pass=exp.first_pass_words(w.am_scale) if first_pass else [],
+                                   lattice=exp.to_lattice(w) if write_lattices else None, stats=exp.stats,
+                                   ctm=d.timed, confidences=d.confidences, path_confidences=d.path_confidences,
+                                   decode=w.decode))
+                    continue
+                except SmallstateError as e:
+                    err = e
+            out.append(cls.failure(path, f"{path}: {err}"))
         return out
 
     @classmethod
@@ -386,7 +405,7 @@ def rescore_lattices(inputs: Iterable[Path | str | ResolvedInput | LatticeInput]
         yield from failures
         failures.clear()
         done.append((i, items.pop(i), exp))
-        if len(done) >= DECODE_BATCH:
+        if len(done) >= DECODE_BATCH or sum(len(x.src) for _, _, x in done) >= DECODE_ARCS:
             yield from results()
     yield from results()
     yield from failures
