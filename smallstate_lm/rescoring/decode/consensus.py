@@ -44,8 +44,8 @@ import numpy as np
 
 from ...errors import SmallstateError
 from ..lattices.graph import state_levels
-from ..lattices.kbest import Dag
-from .posteriors import Laid, lay_out, logsumexp_runs
+from ..lattices.kbest import Dag, Laid, lay_out
+from .posteriors import logsumexp_runs
 
 SUB, INS, DEL = 0, 1, 2  # the operation an arc's mass takes at each hypothesis position
 DEFAULT_MAX_ITER = 10
@@ -118,22 +118,15 @@ class Aligner:
             raise SmallstateError(f"{names[0]}: posterior scale must be > 0, got {scale}")
         self.n_lattices, self.starts, self.sinks, self.n_rows = L, laid.node_start[:-1], n + np.arange(L), n + L
         self.sizes = np.diff(laid.node_start)
-        # every arc, and each final as an arc into its lattice's sink (node n + l), each lattice's own together
-        lat_fin = np.repeat(np.arange(L), np.diff(laid.final_start))
-        lat = np.concatenate([np.repeat(np.arange(L), np.diff(laid.arc_start)), lat_fin])
-        by_lattice = np.argsort(lat, kind="stable")
-        src = np.concatenate([d.src, d.final_node])[by_lattice]
-        dst = np.concatenate([d.dst, self.sinks[lat_fin]])[by_lattice]
+        src, dst, cost, key, lat = laid.with_sinks()
         level = np.concatenate([level, np.full(L, level.max(initial=0) + 1)])  # sinks come after every node
         # arcs numbered by their target's level, those alone into their target first, then by target: each level
         # of the forward pass is one slice, and a target with one arc in takes that arc's values as they are
         multi = (np.bincount(dst, minlength=n + L) > 1)[dst]
         order = np.argsort((level[dst] * 2 + multi) * (n + L) + dst, kind="stable")
-        lat = lat[by_lattice]
-        self.src, self.dst, self.lat = src[order], dst[order], lat[order]
+        self.src, self.dst, self.lat, self.key = src[order], dst[order], lat[order], key[order]  # key -1: epsilon
         self._order, self._lat_given = order, lat
-        self.key = np.concatenate([d.word_key, np.full(len(lat_fin), -1)])[by_lattice][order]  # -1: epsilon
-        log_w = -scale * np.concatenate([d.cost, d.final_cost])[by_lattice][order]
+        log_w = -scale * cost[order]
         self.groups = _slices_by_level(self.dst, level, multi[order])
         alpha = self._forward_sums(log_w, names)
         # P(e | dst): sums to 1 into each node; 0 from or into a node no path of finite cost reaches (its arcs
@@ -157,7 +150,7 @@ class Aligner:
 
     def _forward_sums(self, log_w: np.ndarray, names: list[str]) -> np.ndarray:
         """(N + L,) the log forward sums of the nodes, the sinks' being the lattices' totals (a level at a time,
-        each node's arcs summed in the order given, as `posteriors.log_sums` does). Raises SmallstateError
+        each node's arcs summed in the order given, as `posteriors.forward_backward` does). Raises SmallstateError
         naming the first lattice with no complete path of finite cost."""
         alpha = np.full(self.n_rows, -np.inf)
         alpha[self.starts[self.sizes > 0]] = 0.0  # each lattice's start

@@ -14,7 +14,6 @@ code serves an expanded, rescored lattice (`ExpandedLattice.dag(w)`) and a first
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -68,93 +67,37 @@ def logsumexp_runs(values: np.ndarray, starts: np.ndarray, seg: np.ndarray) -> n
         return np.where(np.isfinite(peak), safe + np.log(sums), -np.inf)
 
 
-class Laid(NamedTuple):
-    """Several Dags laid end to end as one (`dag`: node ids offset, arrays concatenated), and where each one's
-    nodes, arcs and finals start (`node_start`, `arc_start`, `final_start`: (L + 1,) each): the alignment's
-    passes (`consensus.Aligner.many`) then go a level at a time over all of them at once, which is what makes
-    many small lattices cheap (a level's array operations cost about the same for one lattice or 60)."""
+def forward_backward(dag: Dag, scale: float = 1.0, name: str = "lattice",
+                     level: np.ndarray | None = None) -> Posteriors:
+    """Posteriors of every arc, final and node of `dag` under exp(-scale * cost) (see the module docstring).
 
-    dag: Dag
-    node_start: np.ndarray
-    arc_start: np.ndarray
-    final_start: np.ndarray
-
-    @property
-    def n_lattices(self) -> int:
-        return len(self.node_start) - 1
-
-
-def lay_out(dags: Sequence[Dag]) -> Laid:
-    """`dags` end to end (see `Laid`); one Dag is laid out as itself."""
-    sizes = [(int(d.n_nodes), len(d.src), len(d.final_node)) for d in dags]
-    node_start, arc_start, final_start = (np.concatenate([[0], np.cumsum(c)]).astype(np.int64)
-                                          for c in zip(*sizes)) if dags else (np.zeros(1, np.int64),) * 3
-    if len(dags) == 1:
-        d = dags[0]
-        dag = Dag(int(d.n_nodes), *(np.asarray(a, dtype=t) for a, t in zip(d[1:], _TYPES)))
-        return Laid(dag, node_start, arc_start, final_start)
-
-    def cat(i: int, offset: bool):
-        parts = [np.asarray(d[i], dtype=_TYPES[i - 1]) for d in dags]
-        if offset:
-            parts = [a + o for a, o in zip(parts, node_start[:-1].tolist())]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=_TYPES[i - 1])
-    dag = Dag(int(node_start[-1]), cat(1, True), cat(2, True), cat(3, False), cat(4, True), cat(5, False),
-              cat(6, False))
-    return Laid(dag, node_start, arc_start, final_start)
-
-
-_TYPES = (np.int64, np.int64, np.float64, np.int64, np.float64, np.int64)  # Dag's arrays, after n_nodes
-
-
-def log_sums(laid: Laid, scale: float, level: np.ndarray,
-             names: Sequence[str] = ("lattice",)) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(alpha (N,), beta (N,), log_total (L,)) of laid-out Dags under exp(-scale * cost) (the module docstring):
-    arcs into one topological level (`level`, (N,): `state_levels` of the laid-out graph) are summed together,
-    their sources all done, and backward sums go a level at a time from the last. A node's arcs are summed in
-    the same order however many lattices are laid beside it. Raises SmallstateError naming the first lattice
-    (`names[l]`, or the first name) with no complete path of finite cost, or for a scale that is not > 0."""
-    dag = laid.dag
+    Arcs into one topological level are summed together (their sources are all done), and backward sums
+    go a level at a time from the last; `level` (N,): the nodes' `state_levels` when the caller has them.
+    Raises SmallstateError, naming `name`, when no complete path has a finite cost."""
     if not scale > 0:
-        raise SmallstateError(f"{names[0]}: posterior scale must be > 0, got {scale}")
-    n, src, dst = int(dag.n_nodes), dag.src, dag.dst
-    cost = -scale * dag.cost  # log weights from here on
-    final_w = -scale * dag.final_cost
+        raise SmallstateError(f"{name}: posterior scale must be > 0, got {scale}")
+    n = int(dag.n_nodes)
+    src, dst = np.asarray(dag.src, dtype=np.int64), np.asarray(dag.dst, dtype=np.int64)
+    cost = -scale * np.asarray(dag.cost, dtype=np.float64)  # log weights from here on
+    final_node = np.asarray(dag.final_node, dtype=np.int64)
+    final_w = -scale * np.asarray(dag.final_cost, dtype=np.float64)
+    level = state_levels(n, src, dst) if level is None else level
     alpha = np.full(n, -np.inf)
-    alpha[laid.node_start[:-1][np.diff(laid.node_start) > 0]] = 0.0  # each lattice's start
+    alpha[0] = 0.0
     for a, nodes, starts, seg in _Segments(level[dst], dst).levels:
         alpha[nodes] = logsumexp_runs(alpha[src[a]] + cost[a], starts, seg)
     beta = np.full(n, -np.inf)
-    np.logaddexp.at(beta, dag.final_node, final_w)  # a node listed twice as final has both final weights
+    np.logaddexp.at(beta, final_node, final_w)  # a node listed twice as final has both final weights
     for a, nodes, starts, seg in _Segments(level[src], src, descending=True).levels:
         out = logsumexp_runs(beta[dst[a]] + cost[a], starts, seg)
         beta[nodes] = np.logaddexp(out, beta[nodes])  # a source's own final weight, if any
-    ends = alpha[dag.final_node] + final_w
-    log_total = np.full(laid.n_lattices, -np.inf)
-    has = np.diff(laid.final_start) > 0
-    if has.any():  # reduceat gives an empty run its next element: only lattices with finals are summed
-        log_total[has] = np.logaddexp.reduceat(ends, laid.final_start[:-1][has])
-    bad = np.flatnonzero(~np.isfinite(log_total))
-    if len(bad):
-        name = names[int(bad[0])] if len(names) > 1 else names[0]
+    ends = alpha[final_node] + final_w
+    log_total = float(np.logaddexp.reduce(ends)) if len(ends) else -np.inf
+    if not np.isfinite(log_total):
         raise SmallstateError(f"{name}: no complete path with a finite cost, so no posteriors")
-    return alpha, beta, log_total
-
-
-def forward_backward(dag: Dag, scale: float = 1.0, name: str = "lattice",
-                     level: np.ndarray | None = None) -> Posteriors:
-    """Posteriors of every arc, final and node of `dag` under exp(-scale * cost) (see the module docstring);
-    `level` (N,): the nodes' `state_levels` when the caller has them. Raises SmallstateError, naming `name`,
-    when no complete path has a finite cost."""
-    laid = lay_out([dag])
-    d = laid.dag
-    level = state_levels(d.n_nodes, d.src, d.dst) if level is None else level
-    alpha, beta, totals = log_sums(laid, scale, level, [name])
-    log_total = float(totals[0])
-    ends = alpha[d.final_node] - scale * d.final_cost
-    return Posteriors(arc=np.exp(alpha[d.src] - scale * d.cost + beta[d.dst] - log_total),
-                      final=np.exp(ends - log_total), node=np.exp(alpha + beta - log_total), alpha=alpha,
-                      beta=beta, log_total=log_total, scale=scale)
+    return Posteriors(arc=np.exp(alpha[src] + cost + beta[dst] - log_total), final=np.exp(ends - log_total),
+                      node=np.exp(alpha + beta - log_total), alpha=alpha, beta=beta, log_total=log_total,
+                      scale=scale)
 
 
 def first_pass_dag(lat: Lattice, am_scale: float, graph_scale: float = 1.0) -> Dag:

@@ -80,8 +80,7 @@ def decode_lattices(xs: Sequence, w, path_words: Sequence[Sequence[str] | None],
     the same passes, a level of all of them at a time: the same numbers at a fraction of the cost, since a
     pass over one small lattice is mostly the fixed cost of its levels' array operations. The lattices go in
     order of hypothesis length, in groups of at most `max_cells` (their arcs x their longest hypothesis's
-    positions) of working arrays, a lattice past it alone; `dags`:
-    their `dag(w)`, when already made."""
+    positions) of working arrays, a lattice past it alone; `dags`: their `dag(w)`, when already made."""
     if w.decode != "viterbi" or not confidences or frame_shift is not None or len(xs) < 2:
         return [_decode_one(x, w, p, frame_shift, confidences) for x, p in zip(xs, path_words)]
     paths = [list(p) if p is not None else x.best_words(w) for x, p in zip(xs, path_words)]

@@ -165,6 +165,51 @@ class Dag(NamedTuple):
     word_key: Sequence
 
 
+class Laid(NamedTuple):
+    """Several Dags laid end to end as one (`dag`: node ids offset, arrays concatenated), and where each one's
+    nodes, arcs and finals start (`node_start`, `arc_start`, `final_start`: (L + 1,) each): passes over them
+    then go a level at a time over all of them at once (the n-best's forward pass, the confidences'
+    alignment), which is what makes many small lattices cheap (a level's array operations cost about the same
+    for one lattice or 60)."""
+
+    dag: Dag
+    node_start: np.ndarray
+    arc_start: np.ndarray
+    final_start: np.ndarray
+
+    @property
+    def n_lattices(self) -> int:
+        return len(self.node_start) - 1
+
+    def with_sinks(self) -> tuple[np.ndarray, ...]:
+        """(src, dst, cost, word_key, lattice) of every arc and of each final as an arc into its lattice's sink
+        (node `dag.n_nodes` + l, no word), each lattice's arcs then its finals, in the order given."""
+        d, L = self.dag, self.n_lattices
+        lat_fin = np.repeat(np.arange(L), np.diff(self.final_start))
+        lat = np.concatenate([np.repeat(np.arange(L), np.diff(self.arc_start)), lat_fin])
+        order = np.argsort(lat, kind="stable")
+        return (np.concatenate([d.src, d.final_node])[order],
+                np.concatenate([d.dst, d.n_nodes + lat_fin])[order],
+                np.concatenate([d.cost, d.final_cost])[order],
+                np.concatenate([d.word_key, np.full(len(lat_fin), -1)])[order], lat[order])
+
+
+_TYPES = (np.int64, np.int64, np.float64, np.int64, np.float64, np.int64)  # Dag's arrays, after n_nodes
+
+
+def lay_out(dags: Sequence[Dag]) -> Laid:
+    """`dags` end to end (see `Laid`)."""
+    sizes = np.array([(int(d.n_nodes), len(d.src), len(d.final_node)) for d in dags], dtype=np.int64).reshape(-1, 3)
+    node_start, arc_start, final_start = (np.concatenate([[0], np.cumsum(c)]) for c in sizes.T)
+    offsets = node_start[:-1].tolist()
+
+    def cat(i: int, ids: bool) -> np.ndarray:
+        parts = [np.asarray(d[i], dtype=_TYPES[i - 1]) + (o if ids else 0) for d, o in zip(dags, offsets)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=_TYPES[i - 1])
+    dag = Dag(int(node_start[-1]), *(cat(i, ids) for i, ids in zip(range(1, 7), (1, 1, 0, 1, 0, 0))))
+    return Laid(dag, node_start, arc_start, final_start)
+
+
 def kbest_paths(dag: Dag, n: int, max_paths: int = DEFAULT_MAX_PATHS,
                 best_in: np.ndarray | None = None) -> list[tuple[float, np.ndarray, int]]:
     """The n cheapest distinct word sequences of a DAG, cheapest first: (total cost, the arcs of
@@ -228,17 +273,15 @@ def best_costs(dags: Sequence[Dag], levels: Sequence[np.ndarray]) -> list[np.nda
     """Each DAG's best cost from its start to every node and, last, to its virtual sink (what the k-best search
     starts from): the DAGs laid end to end, a level of all of them relaxed at a time (`graph.viterbi`), the same
     sums and minima as one at a time. `levels`: each one's node levels (every arc going up a level)."""
-    sizes = [int(d.n_nodes) + 1 for d in dags]  # each DAG's nodes, then its sink
-    off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    src = np.concatenate([np.concatenate([np.asarray(d.src, np.int64), np.asarray(d.final_node, np.int64)]) + o
-                          for d, o in zip(dags, off[:-1].tolist())] or [np.zeros(0, np.int64)])
-    dst = np.concatenate([np.concatenate([np.asarray(d.dst, np.int64), np.full(len(d.final_node), n - 1)]) + o
-                          for d, o, n in zip(dags, off[:-1].tolist(), sizes)] or [np.zeros(0, np.int64)])
-    cost = np.concatenate([np.concatenate([np.asarray(d.cost, np.float64), np.asarray(d.final_cost, np.float64)])
-                           for d in dags] or [np.zeros(0)])
-    level = np.concatenate([np.append(lv, int(np.max(lv, initial=0)) + 1) for lv in levels] or [np.zeros(0, np.int64)])
-    dist, _ = viterbi(int(off[-1]), src, dst, cost, level.astype(np.int64), sources=off[:-1])
-    return [dist[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())]
+    laid = lay_out(dags)
+    n, L = laid.dag.n_nodes, laid.n_lattices
+    src, dst, cost, _, _ = laid.with_sinks()
+    level = np.concatenate([*(np.asarray(lv, dtype=np.int64) for lv in levels), np.zeros(L, dtype=np.int64)])
+    level[n:] = level[:n].max(initial=0) + 1  # the sinks after every node
+    starts = laid.node_start[:-1][np.diff(laid.node_start) > 0]
+    dist, _ = viterbi(n + L, src, dst, cost, level, sources=starts)
+    return [np.append(dist[a:b], dist[n + k]) for k, (a, b) in enumerate(zip(laid.node_start[:-1].tolist(),
+                                                                                 laid.node_start[1:].tolist()))]
 
 
 def nbest_paths(expanded, w, n: int, dag: Dag | None = None, best_in: np.ndarray | None = None) -> list[ScoredPath]:
