@@ -17,13 +17,17 @@ from typing import Callable, Iterable, Iterator, Sequence
 from ...errors import ConfigError, SmallstateError
 from ...files import BackgroundWriter, atomic_write_text
 from ...weights import Weights
+from ..decode.transcript import decode_lattices
+from ..decode.wer import write_wer_report
+from ..expand.rescorer import ExpandedLattice, ExpandStats, LatticeRescorer
 from ..formats.fst_binary import write_fst_bytes
 from ..formats.k2 import K2_KINDS, K2Writer
 from ..formats.kaldi.write import KaldiArchiveWriter
-from ..lattices.kbest import ScoredPath, best_costs, nbest_paths
-from ..lattices.lattice import Lattice, LatticeFormatError, SymbolTable
-from ..decode.transcript import decode_lattices
-from ..expand.rescorer import ExpandedLattice, ExpandStats, LatticeRescorer
+from ..formats.lattice_io import (
+    LatticeInput,
+    lattice_inputs,
+    read_lattice,  # noqa: F401  (re-exported: benchmarks import it from here)
+)
 from ..formats.resolve import (
     LATTICE_FORMATS,
     ResolvedInput,
@@ -32,13 +36,9 @@ from ..formats.resolve import (
     resolve_input,
     utterance_id,
 )
-from ..formats.lattice_io import (
-    LatticeInput,
-    lattice_inputs,
-    read_lattice,  # noqa: F401  (re-exported: benchmarks import it from here)
-)
+from ..lattices.kbest import ScoredPath, best_costs, nbest_paths
+from ..lattices.lattice import Lattice, LatticeFormatError, SymbolTable
 from ..nbest.lists import Hypothesis, Utterance, write_nbest_jsonl, write_text
-from ..decode.wer import write_wer_report
 
 # Expanded lattices whose results are made together (their best paths' confidences aligned in the same passes),
 # and the arcs they may hold between them (some 100 bytes each) before their results are made
