@@ -364,29 +364,29 @@ def test_openapi_says_words_have_no_whitespace(server):
     assert "1000" in schemas["HypothesisIn"]["properties"]["text"]["description"]
 
 
-def test_in_process_app_counts_arrivals(tiny_lm_dir, kenlm_model):
-    """The app without uvicorn: lifespan, mixed good and bad requests; afterwards no request
-    is counted as on its way in (the batcher would wait for it) and the queue is empty."""
-    from smallstate_lm.service import Settings, create_app
-
-    app = create_app(Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), threads=1, max_wait_ms=50))
-    svc = app.state.service
+def test_arrivals_are_counted_across_front_ends(tiny_lm_dir, kenlm_model, tmp_path):
+    """Two front-ends, one engine that waits up to 2 s for company while requests are on their way in to any
+    front-end: mixed good and bad requests share batches, and afterwards none is counted as on its way in (a lone
+    request would wait the 2 s for it otherwise)."""
+    srv = Server(tiny_lm_dir, kenlm_model, "max_wait_ms=2000", "frontends=2", "drain_seconds=0",
+                 log=tmp_path / "server.log")
     good = {"utterances": [utt()]}
     bodies = [good, {"utterances": []}, good, {"sentences": ["the lord"]}, {"utterances": [utt(hyp("a " * 300))]}]
-
-    async def run():
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
                 rs = await asyncio.gather(*[client.post("/score" if "sentences" in b else "/rescore", json=b)
                                             for b in bodies * 4])
                 await client.post("/rescore", content=b"{", headers={"content-type": "application/json"})
-            assert svc.arriving == 0 and svc.batcher.depth == 0
-            return rs
+                return rs
 
-    rs = asyncio.run(run())
-    assert [r.status_code for r in rs] == [200, 422, 200, 200, 422] * 4
-    assert max(r.json()["usage"]["batch_requests"] for r in rs if r.status_code == 200) > 1
+        rs = asyncio.run(run())
+        assert [r.status_code for r in rs] == [200, 422, 200, 200, 422] * 4
+        assert max(r.json()["usage"]["batch_requests"] for r in rs if r.status_code == 200) > 1
+        lone = post(srv, "/rescore", good).json()["usage"]
+        assert lone["batch_requests"] == 1 and lone["queue_ms"] < 1000
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,15 +23,19 @@ def serve(
                                             "or fp16 (default fp32; log-probs stay float32)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for PyTorch (default: all cores)."),
     batching: Optional[bool] = typer.Option(None, "--batching/--no-batching", help="Dynamic batching (default on)."),
+    frontends: Optional[int] = typer.Option(None, "--frontends", help="Front-end processes for the requests "
+                                            "(env SMALLSTATE_FRONTENDS; default: the CPUs this process may use, "
+                                            "less one for the engine, at least 1)."),
     set_: List[str] = typer.Option([], "--set", help="Any other setting key=value, e.g. --set max_wait_ms=10 "
                                    "(see docs/service.md; env SMALLSTATE_<KEY> works too)."),
 ):
-    """Serve rescoring over HTTP (FastAPI + uvicorn): POST /rescore, /score; GET /healthz, /readyz, /metrics."""
+    """Serve rescoring over HTTP (FastAPI + uvicorn): POST /rescore, /score; GET /healthz, /readyz, /metrics.
+    Runs as a supervisor, one engine process (the model) and front-end processes (the requests)."""
     from ..service import Settings
     from ..service import serve as run_server
 
     options = {"lm": str(lm) if lm else None, "ngram": str(ngram) if ngram else None,
                "weights": str(weights) if weights else None, "host": host, "port": port, "device": device,
-               "precision": precision, "threads": threads, "batching": batching}
+               "precision": precision, "threads": threads, "batching": batching, "frontends": frontends}
     settings = Settings.from_env(assignments=set_, **options)
     run_server(settings)

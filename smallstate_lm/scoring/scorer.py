@@ -63,7 +63,12 @@ class NeuralScorer:
         """groups: per utterance, its hypotheses as word lists; `sizes`, when the caller has them, the
         `trie_size` of each utterance's encoded hypotheses. Returns, per utterance and hypothesis, an array of
         len(words)+1 log-probs (the last one is `</s>`)."""
-        encoded = [[self.encode(h) for h in hyps] for hyps in groups]
+        return self.encoded_logprobs([[self.encode(h) for h in hyps] for hyps in groups], sizes)
+
+    @torch.no_grad()
+    def encoded_logprobs(self, encoded: list[list[list[int]]],
+                         sizes: Sequence[TreeSize] | None = None) -> list[list[np.ndarray]]:
+        """`token_logprobs` of hypotheses already encoded (`encode`: word ids, then `</s>`)."""
         out: list[list[np.ndarray]] = [[None] * len(h) for h in encoded]  # type: ignore[list-item]
         self.model.eval()
         if sizes is None and self.share_prefixes and self.path_costs is not None:

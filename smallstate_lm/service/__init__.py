@@ -1,15 +1,14 @@
-"""The rescoring service: `create_app(settings)` builds the FastAPI app, `serve(settings)` runs it
-under uvicorn. Importing this package loads no model (that happens in the app's lifespan)."""
+"""The rescoring service: `serve(settings)` runs it as processes: a supervisor, one engine (the model) and
+front-ends (HTTP and per-request work). Importing this package loads no model and starts nothing."""
 
 from .settings import Settings
 
-__all__ = ["Settings", "create_app", "serve"]
+__all__ = ["Settings", "serve"]
 
 
 def __getattr__(name: str):
-    # FastAPI, uvicorn and torch are imported only when the app is wanted.
-    if name in ("create_app", "serve"):
-        from . import http
+    if name == "serve":
+        from .supervisor import serve
 
-        return getattr(http, name)
+        return serve
     raise AttributeError(name)

@@ -16,6 +16,7 @@ history length, with the rows of a level capped by what `max_level_bytes` lets i
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass
@@ -191,3 +192,17 @@ def _calibrate_steps(cm: CostModel, neural) -> None:
 def _calibrate_ngram(cm: CostModel, ngram) -> None:
     words = ["the", "of", "and", "to", "in", "that", "he", "shall"] * 64
     cm.ngram_s = max(1e-9, fastest_seconds(lambda: ngram.token_logprobs(words))[0] / (len(words) + 1))
+
+
+def lattices_together(per_batch: int, nbytes: list[int], limit: int) -> int:
+    """How many of lattices of predicted peaks `nbytes` the worker expands at a time: a batch (`per_batch`:
+    `ExpandConfig.lattices_per_batch`), or fewer when the largest of them together would need more than `limit`
+    bytes (at least one: a lattice over the limit alone is refused when its request comes in)."""
+    k = 0
+    total = 0
+    for b in heapq.nlargest(per_batch, nbytes):
+        total += b
+        if total > limit:
+            break
+        k += 1
+    return max(1, k)

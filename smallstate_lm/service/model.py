@@ -55,8 +55,12 @@ class Models:
         self._rescorer: LatticeRescorer | None = None
         self._rescorer_load = 0  # lattice arcs and expanded arcs its tables have seen
 
-    def load(self) -> None:
-        s = self.s
+    def load(self, device: str | None = None, cost: CostModel | None = None, info: dict | None = None) -> None:
+        """Load the models on the settings' device (or `device`) and calibrate the cost model on them. A front-end
+        gives the engine's calibrated `cost` and description (`info`) instead: it prices and prepares requests with
+        the vocabulary, the n-gram (memory-mapped: its pages shared with the engine's) and the neural LM's shape on
+        the CPU, never running it."""
+        s = self.s if device is None else dataclasses.replace(self.s, device=device)
         # Repaired lattices (dead states dropped) are normal input for a service, not news.
         warnings.filterwarnings("ignore", category=LatticeWarning)
         if s.threads is not None:
@@ -76,6 +80,9 @@ class Models:
             batch_tokens = s.batch_tokens or (8192 if self.device.type == "cuda" else 512)
             self.neural = NeuralScorer(self.loaded.model, self.loaded.vocab, self.device, batch_tokens,
                                        s.share_prefixes)
+        if cost is not None:
+            self.cost, self.info = cost, info or {}
+            return
         with torch.inference_mode():
             self.cost = calibrate(self.neural, self.ngram)
         # After the calibration, which so times tree attention itself: the path chosen per call is never the
@@ -138,7 +145,7 @@ class Models:
             "cost_model": dataclasses.asdict(self.cost),
         }
         if self.metrics is not None:
-            self.metrics.model.info({
+            self.metrics.describe_model({
                 "lm": neural_info["name"] if neural_info else "",
                 "preset": neural_info["preset"] if neural_info else "",
                 "vocab_size": str(neural_info["vocab_size"]) if neural_info else "",

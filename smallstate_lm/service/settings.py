@@ -82,10 +82,12 @@ class Settings:
     # Worker time one batch or lattice expansion gets before the worker turns to other queued work: a long
     # job holds small ones for at most about this long.
     slice_ms: float = 50.0
-    # Price large request bodies (64 KiB and more) in this many forked copies of the warmed-up service (Linux; 0:
-    # in the server), so that one refused anyway does not hold the server's interpreter (docs/service.md, "The
-    # pricing process").
-    pricers: int = 2
+    # ---- processes ------------------------------------------------------------------------
+    # Front-end processes (HTTP, preparing work, ranking, answers); None: one per CPU this process may use
+    # (affinity and cgroup quota), less one for the engine, at least 1 (docs/service.md, "Processes").
+    frontends: int | None = None
+    # how long the supervisor waits for a dead front-end's replacement, or a dead engine's, to start again
+    restart_delay_s: float = 0.2
     # ---- shutdown -------------------------------------------------------------------------
     drain_seconds: float = 1.0  # after SIGTERM: /readyz answers 503 this long before the listener closes
     graceful_timeout_s: float = 30.0  # then in-flight requests get this long to finish
@@ -99,7 +101,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "drain_seconds", "graceful_timeout_s", "pricers"):
+        for name in ("max_wait_ms", "drain_seconds", "graceful_timeout_s", "restart_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name} must be >= 0, got {getattr(self, name)}")
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms", "max_request_seconds"):
@@ -109,6 +111,8 @@ class Settings:
             raise ConfigError(f"setting precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.beam <= 0:
             raise ConfigError(f"setting beam must be > 0, got {self.beam}")
+        if self.frontends is not None and self.frontends < 1:
+            raise ConfigError(f"setting frontends must be >= 1, got {self.frontends}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"setting threads must be >= 1, got {self.threads}")
         if not 0 <= self.port <= 65535:

@@ -1,8 +1,9 @@
-"""The worker's side: it scores the batches of work the batcher hands it, on the one thread that
-touches the models, in steps of about `slice_ms` between which deadlines, hang-ups and shutdown
-are honoured. Numbers come from the library functions the CLI uses (`compute_components` for
-hypothesis lists, `LatticeRescorer.expand_many` and `ExpandedLattice.nbest` for lattices), so a
-request scores exactly as `smallstate-lm rescore` does on the same input."""
+"""The engine's worker: it scores the batches of work the batcher hands it, on the one thread that touches the
+models, in steps of about `slice_ms` between which deadlines, hang-ups and shutdown are honoured. It runs the
+neural LM over hypothesis lists (token ids prepared by a front-end) and expands lattices (both LMs); the n-gram of
+lists, ranking, n-best searches and confidences are the front-ends'. Numbers come from the library functions the
+CLI uses (`NeuralScorer`, `LatticeRescorer.expand_many`), so a request scores exactly as `smallstate-lm rescore`
+does on the same input."""
 
 from __future__ import annotations
 
@@ -10,27 +11,41 @@ import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from smallstate_lm.errors import SmallstateError
-from smallstate_lm.rescoring.decode.transcript import decode_lattice
-from smallstate_lm.rescoring.nbest.components import Components, compute_components, first_pass_components
+from smallstate_lm.rescoring.expand.expanded import ExpandedLattice
 from smallstate_lm.scoring.trie import sorted_groups
-from smallstate_lm.weights import check_overlap
 
+from ..cost import lattices_together
+from ..errors import DeadlineExceeded, ServiceError, Unavailable
+from ..messages import LatticeJob, ListJob, Scored, Submit
+from ..metrics import Metrics
+from ..model import Models
 from .batcher import Job, drop_expired
-from .errors import DeadlineExceeded, ServiceError, Unavailable
-from .metrics import Metrics
-from .model import Models
-from .results import result
-from .work import LatticeItem, NbestItem, Work, lattices_together
 
 log = logging.getLogger("smallstate_lm.service")
 _DONE = object()
 Deliver = Callable[[Job, Any], None]
+
+
+@dataclass
+class EngineWork:
+    """A submit as the worker scores it: what it got, what it made so far, and its error once it has one."""
+
+    submit: Submit
+    neural: list[list[np.ndarray] | None] = field(default_factory=list)  # per list, per hypothesis
+    lattices: list[ExpandedLattice | None] = field(default_factory=list)
+    lm_steps: int = 0
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.neural = [None] * len(self.submit.lists)
+        self.lattices = [None] * len(self.submit.lattices)
 
 
 class Worker:
@@ -51,10 +66,10 @@ class Worker:
         return seconds - lattice_seconds + self.lattice_ratio * lattice_seconds
 
     def run_batch(self, jobs: list[Job], deliver: Deliver) -> Iterator[None]:
-        """Score every job (payload: Work) of a batch together, a step of about `step_s` predicted
+        """Score every job (payload: EngineWork) of a batch together, a step of about `step_s` predicted
         seconds at a time: the hypothesis lists and sentences of all jobs (small ones together, large
         ones in pieces), then the lattices, one `expand_many` per distinct weights, a step per LM call
-        of a level. Each job gets its Result, or its error, from `deliver` as soon as it is ready; the
+        of a level. Each job gets its `Scored`, or its error, from `deliver` as soon as it is ready; the
         work of a job that expired (cancelled, past its deadline, shutdown) stops at the next step.
         The batcher runs the steps in time slices, between which other batches run."""
         steps = self._steps(jobs, deliver)
@@ -71,17 +86,12 @@ class Worker:
         totals = [0, 0]  # tokens scored and computed, for the throughput metric
         live = []
         for job in jobs:
-            w: Work = job.payload
-            w.error = None
+            w: EngineWork = job.payload
             if self._stop(job, "queued"):
                 deliver(job, w.error)
                 continue
-            try:
-                self._check_vocabulary(w)
-            except SmallstateError as e:
-                w.error = _as_service_error(e, w)
             live.append(job)
-        lattices = [job for job in live if any(isinstance(it, LatticeItem) for it in job.payload.items)]
+        lattices = [job for job in live if job.payload.submit.lattices]
 
         def lists_done(job: Job) -> None:  # a request of hypothesis lists only is answered at once
             if job not in lattices or job.payload.error is not None:
@@ -95,72 +105,56 @@ class Worker:
 
     def _stop(self, job: Job, stage: str = "running") -> bool:
         """Whether the job's work stops here: it failed, or it expired (then its error says so)."""
-        w: Work = job.payload
+        w: EngineWork = job.payload
         if w.error is None and drop_expired(job, stage, self.metrics):
             w.error = DeadlineExceeded("the request's work was stopped: it was cancelled or its deadline passed")
         return w.error is not None
 
     def _answer(self, job: Job, t0: float, deliver: Deliver, totals: list[int]) -> None:
-        w: Work = job.payload
-        res = None
-        if w.error is None:
-            try:
-                res = result(self.models, w, job, t0)
-            except SmallstateError as e:
-                w.error = _as_service_error(e, w)
-            except Exception as e:  # a bug: the route turns it into a 500 and it is logged
-                w.error = e
-        if res is None:
+        w: EngineWork = job.payload
+        if w.error is not None:
             deliver(job, w.error)
             return
-        totals[0] += res.counts.tokens_total
-        totals[1] += res.counts.tokens_computed
-        deliver(job, res)
-
-    def _check_vocabulary(self, w: Work) -> None:
-        """The overlap check of compute_components, per request: a request in the wrong
-        vocabulary fails alone instead of failing the batch it shares."""
-        sents = [h.words for it in w.items if isinstance(it, NbestItem) for h in it.scored.hyps]
+        s = w.submit
+        neural = None
         if self.models.neural is not None:
-            check_overlap(sents, self.models.neural.vocab, "the neural LM")
-        if self.models.ngram is not None:
-            check_overlap(sents, self.models.ngram, "the n-gram")
+            neural = [np.concatenate(tok) if tok else np.zeros(0, dtype=np.float32) for tok in w.neural]
+        totals[0] += s.tokens_total + w.lm_steps
+        totals[1] += s.tokens_computed + w.lm_steps
+        deliver(job, Scored(s.id, neural, list(w.lattices), batch_size=job.batch_size,
+                            queue_s=job.t_start - job.t_submit, compute_s=time.perf_counter() - t0,
+                            lattice_ratio=self.lattice_ratio))
 
     # ---- hypothesis lists --------------------------------------------------------------------------
     def _score_lists(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
         """The jobs' hypothesis lists, the smallest requests first, a step per about `step_s` of predicted
-        work: small lists share a `compute_components` call; a list predicted to take longer than a step
-        is scored in pieces of whole hypotheses (sharing their prefixes) that each fit one. `done(job)`
-        once a job's lists are scored (or it failed or stopped)."""
+        work: small lists share a scorer call; a list predicted to take longer than a step is scored in pieces
+        of whole hypotheses (sharing their prefixes) that each fit one. `done(job)` once a job's lists are
+        scored (or it failed or stopped). Without a neural LM there is nothing to do here."""
         jobs = sorted(jobs, key=lambda j: j.cost)
-        units = []  # (job, item, hypothesis indices of a piece or None for all, predicted seconds)
-        for job in jobs:
-            if job.payload.error is not None:
-                continue
-            for it in job.payload.items:
-                if isinstance(it, NbestItem):
-                    units += self._units(job, it)
+        units = []  # (job, list index, hypothesis indices of a piece or None for all, predicted seconds)
+        if self.models.neural is not None:
+            for job in jobs:
+                if job.payload.error is None:
+                    for k, it in enumerate(job.payload.submit.lists):
+                        units += self._units(job, k, it)
         left = Counter(job for job, *_ in units)
-        parts_left = Counter(id(it) for _, it, part, _ in units if part is not None)
         for job in jobs:
             if not left[job]:
                 done(job)
         call_s, step_s = self.models.cost.call_s, self.models.step_s
         chunk, seconds = [], call_s  # whole lists share their call
-        for k, unit in enumerate(units):
+        for n, unit in enumerate(units):
             chunk.append(unit)
             seconds += unit[3] - (call_s if unit[2] is None else 0.0)
-            if seconds >= step_s or k == len(units) - 1:
+            if seconds >= step_s or n == len(units) - 1:
                 live = [u for u in chunk if not self._stop(u[0])]
-                whole = [(job, it) for job, it, part, _ in live if part is None]
+                whole = [(job, k) for job, k, part, _ in live if part is None]
                 if whole:
                     self._score_chunk(whole)
-                for job, it, part, _ in live:
+                for job, k, part, _ in live:
                     if part is not None:
-                        self._score_part(job, it, part)
-                        parts_left[id(it)] -= 1
-                        if parts_left[id(it)] == 0 and job.payload.error is None:
-                            it.comps = self._assembled(it)
+                        self._score_part(job, k, part)
                 for job, *_ in chunk:
                     left[job] -= 1
                     if left[job] == 0:
@@ -168,83 +162,67 @@ class Worker:
                 chunk, seconds = [], call_s
                 yield
 
-    def _units(self, job: Job, it: NbestItem) -> list[tuple]:
-        """`it` as one unit of work, or as pieces of whole hypotheses (sorted, so that hypotheses sharing
-        a prefix stay together) of at most a step's worth of trie nodes each."""
-        hyps, cost, step_s = it.scored.hyps, self.models.cost, self.models.step_s
-        if it.seconds <= step_s or len(hyps) == 1:
-            return [(job, it, None, it.seconds)]
-        grain = cost.grain_nodes(it.depth, step_s) if self.models.neural is not None else \
-            max(1, int(step_s / cost.ngram_s))
-        # "" ends every sequence: the trie's end-of-sentence node, and a prefix sorts before what extends it
+    def _units(self, job: Job, k: int, it: ListJob) -> list[tuple]:
+        """List `k` of the job as one unit of work, or as pieces of whole hypotheses (sorted, so that hypotheses
+        sharing a prefix stay together) of at most a step's worth of trie nodes each."""
+        cost, step_s = self.models.cost, self.models.step_s
+        if it.seconds <= step_s or len(it.lens) == 1:
+            return [(job, k, None, it.seconds)]
+        grain = cost.grain_nodes(it.depth, step_s)
+        seqs = it.sequences()
         pieces = [(group, size.total_nodes) for group, size in
-                  sorted_groups([h.words + [""] for h in hyps], lambda size: size.total_nodes <= grain)]
+                  sorted_groups(seqs, lambda size: size.total_nodes <= grain)]
         per_node = (it.seconds - len(pieces) * cost.call_s) / max(1, sum(n for _, n in pieces))
-        n = len(hyps)
-        it.neural_tok, it.ngram_tok = [None] * n, [None] * n
-        return [(job, it, np.array(p), cost.call_s + per_node * k) for p, k in pieces]
+        job.payload.neural[k] = [None] * len(seqs)
+        return [(job, k, np.array(p), cost.call_s + per_node * n) for p, n in pieces]
 
-    def _score_part(self, job: Job, it: NbestItem, part: np.ndarray) -> None:
-        """The LM scores of some of `it`'s hypotheses (the request's vocabulary was checked as a whole)."""
-        words = [it.scored.hyps[j].words for j in part.tolist()]
-        neural, ngram = self.models.neural, self.models.ngram
+    def _score_part(self, job: Job, k: int, part: np.ndarray) -> None:
+        """The neural LM scores of some of list `k`'s hypotheses."""
+        w: EngineWork = job.payload
+        seqs = w.submit.lists[k].sequences()
         try:
-            if neural is not None:
-                for j, t in zip(part.tolist(), neural.token_logprobs([words])[0]):
-                    it.neural_tok[j] = t
-            if ngram is not None:
-                for j, w in zip(part.tolist(), words):
-                    it.ngram_tok[j] = ngram.token_logprobs(w)
+            for j, t in zip(part.tolist(), self.models.neural.encoded_logprobs([[seqs[j] for j in part.tolist()]])[0]):
+                w.neural[k][j] = t
         except Exception as e:
-            job.payload.error = _failure(e, job.payload)
+            w.error = _failure(e, w)
 
-    def _assembled(self, it: NbestItem) -> Components:
-        """The Components of a list scored in pieces, as `compute_components` gives them."""
-        c = first_pass_components(it.scored, self.models.known)
-        if self.models.neural is not None:
-            c.neural_tok, c.neural = it.neural_tok, np.array([t.sum() for t in it.neural_tok])
-        if self.models.ngram is not None:
-            c.ngram_tok, c.ngram = it.ngram_tok, np.array([t.sum() for t in it.ngram_tok])
-        it.neural_tok = it.ngram_tok = None
-        return c
-
-    def _score_chunk(self, pairs: list[tuple[Job, NbestItem]]) -> None:
-        neural, ngram = self.models.neural, self.models.ngram
+    def _score_chunk(self, pairs: list[tuple[Job, int]]) -> None:
+        neural = self.models.neural
+        lists = [job.payload.submit.lists[k] for job, k in pairs]
         try:
-            trees = [it.tree for _, it in pairs]  # sized by make_work: the scorer need not size them again
-            comps, _ = compute_components([it.scored for _, it in pairs], neural, ngram, progress=False, check=False,
-                                          sizes=None if None in trees else trees)
-            for (_, it), c in zip(pairs, comps):
-                it.comps = c
+            trees = [it.tree for it in lists]  # sized by the front-end: the scorer need not size them again
+            out = neural.encoded_logprobs([it.sequences() for it in lists], None if None in trees else trees)
+            for (job, k), tok in zip(pairs, out):
+                job.payload.neural[k] = tok
         except Exception as e:
             # One request must not fail the others: score them one by one to find the culprit.
-            by_job: dict[Job, list[NbestItem]] = defaultdict(list)
             if len({job for job, _ in pairs}) == 1:
                 pairs[0][0].payload.error = _failure(e, pairs[0][0].payload)
                 return
             log.warning("merged batch failed; scoring its requests one by one", exc_info=not _out_of_memory(e))
-            for job, it in pairs:
-                by_job[job].append(it)
-            for job, items in by_job.items():
+            by_job: dict[Job, list[int]] = defaultdict(list)
+            for job, k in pairs:
+                by_job[job].append(k)
+            for job, ks in by_job.items():
                 if self._stop(job):
                     continue
+                w: EngineWork = job.payload
                 try:
-                    comps, _ = compute_components([it.scored for it in items], neural, ngram, progress=False,
-                                                  check=False)
-                    for it, c in zip(items, comps):
-                        it.comps = c
+                    out = neural.encoded_logprobs([w.submit.lists[k].sequences() for k in ks])
+                    for k, tok in zip(ks, out):
+                        w.neural[k] = tok
                 except Exception as e:
-                    job.payload.error = _failure(e, job.payload)
+                    w.error = _failure(e, w)
 
     # ---- lattices -----------------------------------------------------------------------------------
     def _expand_lattices(self, jobs: list[Job], done: Callable[[Job], None]) -> Iterator[None]:
         """The jobs' lattices, one expansion per distinct weights, a step per level; `done(job)`
         once all lattices of a job are expanded (or it failed or stopped)."""
-        groups: dict[tuple, list[tuple[Job, int, LatticeItem]]] = defaultdict(list)
+        groups: dict[tuple, list[tuple[Job, int, LatticeJob]]] = defaultdict(list)
         for job in jobs:
-            for k, it in enumerate(job.payload.items):
-                if isinstance(it, LatticeItem):
-                    groups[dataclasses.astuple(job.payload.weights)].append((job, k, it))
+            s = job.payload.submit
+            for k, it in enumerate(s.lattices):
+                groups[dataclasses.astuple(s.weights)].append((job, k, it))
         left = Counter(job for members in groups.values() for job, _, _ in members)
 
         def finished(job: Job) -> None:
@@ -261,7 +239,7 @@ class _LatticeGroup:
     `step_s`. When it fails, the lattices not yet done are expanded one at a time, with the same stops and
     pauses, to find the one that fails. `finished(job)` once per lattice, done, failed or stopped."""
 
-    def __init__(self, worker: Worker, members: list[tuple[Job, int, LatticeItem]],
+    def __init__(self, worker: Worker, members: list[tuple[Job, int, LatticeJob]],
                  finished: Callable[[Job], None]):
         self.worker, self.members, self.finished = worker, members, finished
         self.accounted: set[int] = set()  # the lattices expanded
@@ -298,10 +276,11 @@ class _LatticeGroup:
     def _run(self, indices: list[int]) -> Iterator[None]:
         models = self.worker.models
         lattices = [self.members[i][2].lattice for i in indices]
-        rescorer = models.rescorer(self.members[0][0].payload.weights, sum(x.num_arcs for x in lattices))
+        rescorer = models.rescorer(self.members[0][0].payload.submit.weights, sum(x.num_arcs for x in lattices))
         # as many at a time as the predicted peaks of the largest of them allow within max_request_bytes together
         # (a group holds lattices of every request under these weights; `make_work` plans each request alike)
-        together = lattices_together(models, [self.members[i][2].nbytes for i in indices], models.s.max_request_bytes)
+        together = lattices_together(models.expand_config.lattices_per_batch(models.neural is not None),
+                                     [self.members[i][2].nbytes for i in indices], models.s.max_request_bytes)
         t = time.perf_counter()
         for out in rescorer.expand_many(lattices, on_error=lambda k, e: self._failed(indices[k], e),
                                         should_stop=lambda k: self._stop(indices[k]), pause=True, batch=together):
@@ -313,21 +292,16 @@ class _LatticeGroup:
         self.spent += time.perf_counter() - t
 
     def _failed(self, i: int, e: BaseException) -> None:
-        job, k, _ = self.members[i]
-        w = job.payload
+        job, k, it = self.members[i]
+        w: EngineWork = job.payload
         if w.error is None:
-            w.error = _failure(e, w, f"{w.fields[k]}.lattice")
+            w.error = _failure(e, w, f"{it.field}.lattice")
 
-    def _take(self, i: int, exp) -> None:
-        job, _, it = self.members[i]
-        w = job.payload.weights
-        it.hyps = exp.nbest(w, it.n)
-        if it.hyps:
-            try:  # a forward-backward and an alignment: about what expanding the lattice with an n-gram costs
-                it.transcript = decode_lattice(exp, w, it.hyps[0].words)
-            except SmallstateError as e:
-                self._failed(i, e)
-        it.lm_steps = exp.stats.lm_rows
+    def _take(self, i: int, exp: ExpandedLattice) -> None:
+        job, k, _ = self.members[i]
+        w: EngineWork = job.payload
+        w.lattices[k] = dataclasses.replace(exp, source=None)  # the front-end has the lattice it sent
+        w.lm_steps += exp.stats.lm_rows
         self.worker.models.expanded(exp.stats.expanded_arcs)
         self.accounted.add(i)
         self.finished(job)
@@ -336,13 +310,13 @@ class _LatticeGroup:
         return self.worker._stop(self.members[i][0])
 
 
-def _as_service_error(e: BaseException, w: Work, field: str | None = None) -> ServiceError:
+def _as_service_error(e: BaseException, w: EngineWork, field: str | None = None) -> ServiceError:
     if isinstance(e, ServiceError):
         return e
-    return ServiceError(str(e), field or ("sentences" if w.kind == "score" else "utterances"))
+    return ServiceError(str(e), field or w.submit.field)
 
 
-def _failure(e: BaseException, w: Work, field: str | None = None) -> BaseException:
+def _failure(e: BaseException, w: EngineWork, field: str | None = None) -> BaseException:
     """What a job that raised `e` answers: the client's error (4xx), 503 when memory ran out (the
     worker goes on), else the exception itself (a bug: 500, logged)."""
     if isinstance(e, SmallstateError):

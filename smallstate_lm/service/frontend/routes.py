@@ -7,12 +7,12 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..inputs import rescore_work, score_work
 from ..schemas import ErrorResponse, ModelsResponse, RescoreRequest, RescoreResponse, ScoreRequest, ScoreResponse
 from .bodies import off_loop, parse_body, read_raw
 from .errors import ERRORS
-from .pricer import refuse_if_priced_out
+from .inputs import rescore_work, score_work
 from .responses import answer, rescore_response, score_response
+from .results import result
 from .state import Service
 
 INLINE_WORDS = 1000  # words (roughly) a request may have to be prepared on the event loop
@@ -30,7 +30,7 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         """Rescore n-best lists and/or lattices; per utterance the hypotheses ranked by total (natural log).
         Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
         timeout = svc.timeout(request)
-        body, size = await _read(svc, request, "rescore", RescoreRequest, timeout)
+        body, size = await _read(request, RescoreRequest)
         lattice = any(u.lattice is not None for u in body.utterances)
         words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
         inline = not lattice and words <= INLINE_WORDS
@@ -38,21 +38,21 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         # less to build than to check twice
         early = None if inline else svc.early_checks(request, timeout, "utterances")
         work = await off_loop(inline, rescore_work, body, svc.models, svc.settings, early)
-        result = await svc.submit(work, request, timeout)
-        inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
-        return await answer(svc, inline, lambda: rescore_response(result, body), size)
+        scored = await svc.submit(work, request, timeout)
+        inline = inline and work.hypotheses <= INLINE_HYPOTHESES
+        return await answer(svc, inline, lambda: rescore_response(result(svc.models, work, scored), body), size)
 
     @app.post("/score", response_model=ScoreResponse, responses=ERRORS)
     async def score(request: Request) -> Response:
         """Natural-log probability, token count and perplexity of sentences under each loaded LM.
         Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
         timeout = svc.timeout(request)
-        body, size = await _read(svc, request, "score", ScoreRequest, timeout)
+        body, size = await _read(request, ScoreRequest)
         inline = sum(_words(None, t) for t in body.sentences) <= INLINE_WORDS
         work = await off_loop(inline, score_work, body, svc.models, svc.settings)
-        result = await svc.submit(work, request, timeout)
-        inline = inline and result.counts.hypotheses <= INLINE_HYPOTHESES
-        return await answer(svc, inline, lambda: score_response(result, body), size)
+        scored = await svc.submit(work, request, timeout)
+        inline = inline and work.hypotheses <= INLINE_HYPOTHESES
+        return await answer(svc, inline, lambda: score_response(result(svc.models, work, scored), body), size)
 
 
 def _add_status_routes(app: FastAPI, svc: Service) -> None:
@@ -69,7 +69,7 @@ def _add_status_routes(app: FastAPI, svc: Service) -> None:
             return JSONResponse({"status": "failed", "detail": svc.failed}, status_code=503)
         if svc.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        if not svc.ready:
+        if not svc.serving():
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
@@ -85,14 +85,12 @@ def _add_status_routes(app: FastAPI, svc: Service) -> None:
             raise svc.unavailable()
         info = svc.models.info
         return ModelsResponse.model_validate({**info, "cost_model": {**info.get("cost_model", {}),
-                                                                     "lattice_ratio": svc.worker.lattice_ratio}})
+                                                                     "lattice_ratio": svc.lattice_ratio}})
 
 
-async def _read(svc: Service, request: Request, kind: str, model: type, timeout: float) -> tuple:
-    """The request's body parsed, and its size in bytes; a large one priced first, and refused there without
-    being parsed here."""
+async def _read(request: Request, model: type) -> tuple:
+    """The request's body parsed, and its size in bytes."""
     raw = await read_raw(request)
-    await refuse_if_priced_out(svc, kind, raw, request, timeout)
     return await parse_body(raw, model), len(raw)
 
 

@@ -21,7 +21,7 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-from .schemas import MAX_ABS_SCORE, MAX_ABS_WEIGHT, MAX_WORD_CHARS, SPACES
+from ..schemas import MAX_ABS_SCORE, MAX_ABS_WEIGHT, MAX_WORD_CHARS, SPACES
 
 _SPACE = re.compile(f"[{SPACES}]")
 

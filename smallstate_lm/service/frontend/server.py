@@ -1,6 +1,7 @@
-"""Running the app under uvicorn (`serve`), with what uvicorn lacks: a deadline on every request's
-head, a start-up that fails cleanly when the model is refused, a drain period after SIGTERM and a
-shutdown in which every request in flight is answered."""
+"""Running a front-end's app under uvicorn (`run_frontend`), on the listening socket the supervisor opened and
+shares among the front-ends, with what uvicorn lacks: a deadline on every request's head, a start-up that fails
+cleanly when the model is refused, a drain period after SIGTERM and a shutdown in which every request in flight
+is answered."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import asyncio
 import importlib
 import json
 import logging
-import os
 import signal
-import socket
 import threading
 import time
 
@@ -18,8 +17,7 @@ import uvicorn
 from uvicorn.lifespan.on import LifespanOn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from smallstate_lm.errors import ConfigError, SmallstateError
-
+from ..board import Board
 from ..memory import tune_allocator
 from ..metrics import Metrics
 from ..settings import Settings
@@ -30,24 +28,16 @@ from .state import Service
 log = logging.getLogger("smallstate_lm.service")
 
 
-def serve(settings: Settings) -> None:
-    """Run the service in this process until SIGTERM/SIGINT. SIGTERM: /readyz turns 503 for
-    `drain_seconds`, then the listener closes, in-flight requests finish or get 503 within
-    `graceful_timeout_s`, the model is released and the process exits with status 0. A model
-    that fails to load or its self-check: no port is opened, ConfigError."""
+def run_frontend(settings: Settings, rundir: str, index: int, board: Board, fd: int) -> int:
+    """Serve front-end `index` on the listening socket `fd` until SIGTERM: /readyz turns 503 for `drain_seconds`,
+    then the listener closes, in-flight requests finish or get 503 within `graceful_timeout_s`. Returns the exit
+    status: 0, or 3 when its models failed to load."""
     tune_allocator()
     _read_bodies_whole(settings.max_body_bytes)
-    _preflight(settings)
-    logger = logging.getLogger("smallstate_lm")
-    if not logger.handlers:  # uvicorn configures its own loggers only
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if settings.log_level == "trace" else settings.log_level.upper())
-    app = create_app(settings)
+    app = create_app(settings, rundir, index, board)
     svc: Service = app.state.service
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            lifespan="on", timeout_graceful_shutdown=settings.graceful_timeout_s,
+    config = uvicorn.Config(app, fd=fd, log_level=settings.log_level, lifespan="on",
+                            timeout_graceful_shutdown=settings.graceful_timeout_s,
                             http=_timed_head_protocol(settings.header_timeout_s, svc.metrics))
     config.load()
     config.lifespan_class = _refusing_lifespan(svc)
@@ -62,10 +52,7 @@ def serve(settings: Settings) -> None:
             raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if svc.failed is not None:
-        raise ConfigError(f"the service refused to become ready: {svc.failed}")
-    if not server.started:
-        raise ConfigError("the service did not start (see the log above)")
+    return 3 if svc.failed is not None else 0
 
 
 def _read_bodies_whole(limit: int) -> None:
@@ -80,37 +67,6 @@ def _read_bodies_whole(limit: int) -> None:
             continue
         if hasattr(module, "HIGH_WATER_LIMIT"):
             module.HIGH_WATER_LIMIT = max(module.HIGH_WATER_LIMIT, limit)
-
-
-def _preflight(settings: Settings) -> None:
-    """What would otherwise fail late or as a uvicorn traceback, refused first in one line: a file the settings
-    name that this process cannot read (a container's user may not own it), a port already taken (found before
-    the model loads, which may take a minute, not after), and a model that fails to load or its self-check (the
-    app loads it in its lifespan; here it is loaded on the CPU and dropped)."""
-    for key in ("lm", "ngram", "weights"):
-        path = getattr(settings, key)
-        if path is None or os.path.isdir(path):
-            continue
-        try:
-            with open(path, "rb") as f:
-                f.read(1)
-        except OSError as e:
-            raise ConfigError(f"--{key} {path}: cannot be read ({e.strerror or e})") from None
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-        try:
-            sock.bind((settings.host, settings.port))
-        except OSError as e:
-            raise ConfigError(f"--port {settings.port} on {settings.host}: cannot listen there "
-                              f"({e.strerror or e})") from None
-    if settings.lm is not None:
-        from smallstate_lm.checkpoint import load_model
-
-        try:
-            load_model(settings.lm, precision=settings.precision)
-        except SmallstateError as e:  # worded as the app's own refusal (`Service.start`) words it
-            raise ConfigError(f"the model failed to load or its self-check: {e}") from None
 
 
 def _timed_head_protocol(timeout_s: float, metrics: Metrics) -> type:

@@ -1,7 +1,7 @@
-"""A request's answer, from its scored work: per utterance its hypotheses ranked under the
-request's weights (`ranking`, apply_weights' order, for lists; `ExpandedLattice.nbest` for lattices;
-as the CLI ranks them), per sentence its log-probs and perplexity. Natural-log scores in
-dataclasses; the HTTP side turns them into the response's JSON."""
+"""A request's answer, from its work and the engine's `Scored`: the n-gram of its lists, per utterance its
+hypotheses ranked under the request's weights (`ranking`, apply_weights' order, for lists; `ExpandedLattice.nbest`
+for lattices, with the transcript and its confidences; as the CLI ranks them), per sentence its log-probs and
+perplexity. Natural-log scores in dataclasses; the HTTP side turns them into the response's JSON."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from typing import Literal
 
 import numpy as np
 
-from smallstate_lm.rescoring.decode.transcript import Decoded
-from smallstate_lm.rescoring.nbest.components import Components, hypothesis_scores, ranking
+from smallstate_lm.errors import SmallstateError
+from smallstate_lm.rescoring.decode.transcript import Decoded, decode_lattice
+from smallstate_lm.rescoring.nbest.components import Components, first_pass_components, hypothesis_scores, ranking
 from smallstate_lm.rescoring.nbest.confidence import list_confidences
 from smallstate_lm.weights import Weights, oov_counts
 
-from .batcher import Job
-from .errors import ServiceError
-from .model import Models
+from ..errors import ServiceError
+from ..messages import Scored
+from ..model import Models
 from .work import LatticeItem, NbestItem, Work
 
 
@@ -90,8 +91,10 @@ class Result:
     counts: Counts
 
 
-def result(models: Models, w: Work, job: Job, t0: float) -> Result:
-    """The answer to the scored `w`, whose batch started at `t0` (perf_counter seconds)."""
+def result(models: Models, w: Work, scored: Scored) -> Result:
+    """The answer to `w`, given what the engine made of it."""
+    t0 = time.perf_counter()
+    _take(models, w, scored)
     n_hyps = 0
     items: list[RankedUtterance | SentenceScores] = []
     for it in w.items:
@@ -108,9 +111,35 @@ def result(models: Models, w: Work, job: Job, t0: float) -> Result:
     steps = sum(it.lm_steps for it in w.items if isinstance(it, LatticeItem))
     counts = Counts(utterances=len(w.items), hypotheses=n_hyps, tokens_total=w.tokens_total + steps,
                     tokens_computed=w.tokens_computed + steps, lattice_arcs=w.lattice_arcs,
-                    batch_requests=job.batch_size, queue_ms=round(1000 * (job.t_start - job.t_submit), 3),
-                    compute_ms=round(1000 * (time.perf_counter() - t0), 3))
+                    batch_requests=scored.batch_size, queue_ms=round(1000 * scored.queue_s, 3),
+                    compute_ms=round(1000 * (scored.compute_s + time.perf_counter() - t0), 3))
     return Result(items=items, weights=w.weights, counts=counts)
+
+
+def _take(models: Models, w: Work, scored: Scored) -> None:
+    """Each list's Components (the engine's neural log-probs, the n-gram's here) and each lattice's n-best and
+    transcript, from its expansion."""
+    lists = [it for it in w.items if isinstance(it, NbestItem)]
+    for k, it in enumerate(lists):
+        c = first_pass_components(it.scored, models.known)
+        if scored.neural is not None:
+            lens = np.fromiter((len(h.words) + 1 for h in it.scored.hyps), dtype=np.int64, count=len(it.scored.hyps))
+            c.neural_tok = np.split(scored.neural[k], np.cumsum(lens)[:-1])
+            c.neural = np.array([x.sum() for x in c.neural_tok])
+        if models.ngram is not None:
+            c.ngram_tok = [models.ngram.token_logprobs(h.words) for h in it.scored.hyps]
+            c.ngram = np.array([x.sum() for x in c.ngram_tok])
+        it.comps = c
+    lattices = [(it, f) for it, f in zip(w.items, w.fields) if isinstance(it, LatticeItem)]
+    for (it, field), exp in zip(lattices, scored.lattices):
+        exp.source = it.lattice
+        it.hyps = exp.nbest(w.weights, it.n)
+        if it.hyps:
+            try:  # a forward-backward and an alignment: about what expanding the lattice with an n-gram costs
+                it.transcript = decode_lattice(exp, w.weights, it.hyps[0].words)
+            except SmallstateError as e:
+                raise ServiceError(str(e), f"{field}.lattice") from None
+        it.lm_steps = exp.stats.lm_rows
 
 
 def _ranked(models: Models, sc: dict, id: str, words: list[str], rank: int, w: Weights) -> RankedHypothesis:

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from .. import decode
 from ..schemas import NO_SPACE
+from . import decode
 
 INLINE_BYTES = 32 * 1024  # bodies parsed on the event loop (~1 ms); larger ones in a thread
 TOO_DEEP = [{"type": "json_invalid", "loc": ("body",),

@@ -72,7 +72,6 @@ class ArrivalMiddleware:
         finally:
             if ARRIVAL in scope:  # refused before it was queued (validation, limits)
                 self.svc.arrived(scope)
-                self.svc.batcher.poke()
 
 
 class BodyLimitMiddleware:

@@ -15,18 +15,17 @@ import numpy as np
 
 from smallstate_lm.errors import ConfigError, SmallstateError
 from smallstate_lm.rescoring.decode.transcript import Decoded
-from smallstate_lm.rescoring.formats.lattice_io import read_fst_text
 from smallstate_lm.rescoring.lattices.kbest import ScoredPath
-from smallstate_lm.rescoring.lattices.lattice import Lattice, SymbolTable
+from smallstate_lm.rescoring.lattices.lattice import Lattice
 from smallstate_lm.rescoring.nbest.components import Components
 from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance
 from smallstate_lm.scoring.trie import TreeSize, trie_sizes
 from smallstate_lm.vocab import EOS_ID
 from smallstate_lm.weights import Weights, check_overlap
 
-from .cost import LatticeShape, lattice_shape
-from .errors import ServiceError
-from .model import Models
+from ..cost import LatticeShape, lattice_shape, lattices_together
+from ..errors import ServiceError
+from ..model import Models
 
 MIN_KNOWN = 0.5  # check_overlap's default: the share of a lattice's words its LMs must know
 
@@ -98,6 +97,12 @@ class Work:
     @property
     def cost(self) -> int:
         return self.tokens_computed + self.lattice_arcs
+
+    @property
+    def hypotheses(self) -> int:
+        """Hypotheses its answer may hold: every list's, and up to n per lattice."""
+        return sum(len(it.scored.hyps) if isinstance(it, NbestItem) else it.n if isinstance(it, LatticeItem)
+                   else len(it.lens) for it in self.items)
 
 
 class PreparedLattice(Lattice):
@@ -181,24 +186,11 @@ def make_work(models: Models, work: Work, sizes: list[TreeSize | None] | None = 
     return work
 
 
-def lattices_together(models: Models, nbytes: list[int], limit: int) -> int:
-    """How many of lattices of predicted peaks `nbytes` the worker expands at a time: a batch
-    (`expand_config.lattices_per_batch`), or fewer when the largest of them together would need more than `limit`
-    bytes (at least one: a lattice over the limit alone is refused when its request comes in)."""
-    k = 0
-    total = 0
-    for b in heapq.nlargest(models.expand_config.lattices_per_batch(models.neural is not None), nbytes):
-        total += b
-        if total > limit:
-            break
-        k += 1
-    return max(1, k)
-
-
 def lattices_peak(models: Models, nbytes: list[int], limit: int) -> int:
     """Predicted peak bytes of expanding lattices of predicted peaks `nbytes`, `lattices_together` at a time: the
     largest of them may be held together. At most `limit` unless one lattice alone needs more."""
-    return sum(heapq.nlargest(lattices_together(models, nbytes, limit), nbytes))
+    per_batch = models.expand_config.lattices_per_batch(models.neural is not None)
+    return sum(heapq.nlargest(lattices_together(per_batch, nbytes, limit), nbytes))
 
 
 def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | None = None) -> LatticeItem:
@@ -318,16 +310,3 @@ def check_lattice_vocabulary(models: Models, lat: Lattice, field: str) -> None:
                 check_overlap([[lat.symbols.word(i) for i in ids.tolist()]], known, what, MIN_KNOWN)
             except SmallstateError as e:
                 raise ServiceError(str(e), field) from None
-
-
-def warmup_work(models: Models) -> list[Work]:
-    """A sentence and a two-word lattice: the first real request then finds every code path
-    (kernels, allocator, KenLM pages) warm."""
-    words = models.loaded.vocab.words[3:8] if models.loaded is not None else ["the", "of", "and"]
-    one = nbest_item(Utterance("0", [Hypothesis(words=list(words))]), [])
-    sentence = make_work(models, Work("score", models.weights, [one], ["sentences[0]"]))
-    fst = f"0 1 {words[0]} {words[0]} 1.0,1.0\n1 2 {words[1]} {words[1]} 1.0,1.0\n2 0.0,0.0\n"
-    lat = read_fst_text(fst, SymbolTable.from_words(list(words[:2])), name="warmup")
-    lattice = make_work(models, Work("rescore", models.weights,
-                                     [lattice_item(models, prepared(lat), models.s.lattice_nbest)], ["utterances[0]"]))
-    return [sentence, lattice]

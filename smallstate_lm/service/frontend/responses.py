@@ -14,9 +14,9 @@ from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
 from ..errors import ServiceError
-from ..results import LMTotal, RankedHypothesis, Result
 from ..schemas import WeightsOut
 from .bodies import off_loop
+from .results import LMTotal, RankedHypothesis, Result
 from .state import Service
 
 # After a request body this large, freed memory goes back to the OS: the allocator keeps what it freed otherwise.

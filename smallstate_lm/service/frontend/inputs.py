@@ -14,11 +14,11 @@ from smallstate_lm.rescoring.lattices.lattice import Lattice, LatticeFormatError
 from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance
 from smallstate_lm.scoring.trie import TreeSize
 
-from .cost import lattice_shape
-from .errors import CostLimitError, LimitError, ServiceError
-from .model import Models
-from .schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
-from .settings import Settings
+from ..cost import lattice_shape
+from ..errors import CostLimitError, LimitError, ServiceError
+from ..model import Models
+from ..schemas import LatticeIn, RescoreRequest, ScoreRequest, UtteranceIn
+from ..settings import Settings
 from .work import (
     LatticeItem,
     NbestItem,

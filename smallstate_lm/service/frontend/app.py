@@ -1,5 +1,5 @@
-"""The FastAPI app: the service's state, its lifespan (the model is loaded, self-checked and warmed
-up before the app is ready), error handlers, middleware, routes and the OpenAPI document."""
+"""A front-end's FastAPI app: its state, its lifespan (connected to the engine and its models loaded before the
+app is ready), error handlers, middleware, routes and the OpenAPI document."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from ..board import Board
 from ..schemas import RescoreRequest, ScoreRequest
 from ..settings import Settings
 from .errors import add_error_handlers
 from .middleware import ApiKeyMiddleware, ArrivalMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from .pricer import start_pricer
 from .routes import add_routes
 from .state import Service
 
@@ -22,21 +22,17 @@ from .state import Service
 REQUEST_MODELS = {"/rescore": RescoreRequest, "/score": ScoreRequest}
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings.from_env()
-    svc = Service(settings)
+def create_app(settings: Settings, rundir: str, index: int, board: Board) -> FastAPI:
+    """Front-end `index` of the service whose run directory is `rundir` and whose board is `board`."""
+    svc = Service(settings, rundir, index, board)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await svc.start()  # a model that fails to load or its self-check sets svc.failed: never ready
-        if svc.ready:  # forked now: warmed up, the worker idle, no connection open yet
-            svc.pricer = start_pricer(svc.models, settings)
+        await svc.start()  # a model that fails to load sets svc.failed: never ready
         try:
             yield
         finally:
             await svc.stop()
-            if svc.pricer is not None:
-                svc.pricer.close()
 
     app = FastAPI(title="smallstate-lm", version="0.1.0", lifespan=lifespan,
                   description="N-best and lattice rescoring with a small-state neural LM and a KenLM n-gram. "

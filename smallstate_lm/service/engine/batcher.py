@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .errors import Unavailable
-from .metrics import Metrics
+from ..errors import Unavailable
+from ..metrics import Metrics
 
 log = logging.getLogger("smallstate_lm.service")
 
@@ -103,6 +103,7 @@ LONG_AFTER = 4
 
 
 HOLD_S = 0.1  # the longest a held worker waits between two steps
+ARRIVALS_S = 0.001  # how often the requests on their way in are counted again while a batch waits for company
 
 
 def _advance(steps: Iterator[Any], budget_s: float, waiting: Callable[[], bool] = lambda: False,
@@ -319,10 +320,10 @@ class Batcher:
             if remaining <= 0:
                 return
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), remaining)
+            try:  # the arrivals are counted in other processes, which cannot wake this one: read them again soon
+                await asyncio.wait_for(self._wake.wait(), min(remaining, ARRIVALS_S))
             except asyncio.TimeoutError:
-                return
+                pass
 
     def _take(self, long: bool) -> list[Job]:
         """The oldest queued jobs of one class (`long` or small) within the batch budget (one without

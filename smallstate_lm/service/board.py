@@ -1,0 +1,59 @@
+"""What every process of the service reads at a glance, without asking anyone: a small board of numbers in shared
+memory (a file in the service's run directory, mapped by each process). The engine writes its pid, whether it is
+ready and the long work it has queued; each front-end whether it is ready and how many requests are on their way
+in to it. Each slot has one writer, and a float64 is written whole: no locks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+ENGINE_PID, ENGINE_READY, LONG_BACKLOG, SHORT_BACKLOG, SLICE_S = range(5)
+HEAD = 8  # slots before the front-ends' pairs (ready, arriving)
+
+
+class Board:
+    def __init__(self, path: str | Path, frontends: int, create: bool = False):
+        if create:
+            np.zeros(HEAD + 2 * frontends, dtype=np.float64).tofile(path)
+        self.frontends = frontends
+        self.a = np.memmap(path, dtype=np.float64, mode="r+", shape=(HEAD + 2 * frontends,))
+
+    # ---- the engine's slots ---------------------------------------------------------------------
+    def engine(self, pid: int, ready: bool) -> None:
+        self.a[ENGINE_PID] = pid
+        self.a[ENGINE_READY] = 1.0 if ready else 0.0
+
+    @property
+    def engine_pid(self) -> int:
+        return int(self.a[ENGINE_PID])
+
+    @property
+    def engine_ready(self) -> bool:
+        return bool(self.a[ENGINE_READY])
+
+    def backlog(self, long: float, short: float, slice_s: float) -> None:
+        self.a[LONG_BACKLOG], self.a[SHORT_BACKLOG], self.a[SLICE_S] = long, short, slice_s
+
+    def long_backlog(self) -> float | None:
+        """The engine's long work queued and started, in worker seconds, while it is busy (what a long request
+        queues behind); None while it is not (`Service.long_backlog` of one process, read from here)."""
+        long, short, slice_s = float(self.a[LONG_BACKLOG]), float(self.a[SHORT_BACKLOG]), float(self.a[SLICE_S])
+        return long if long > slice_s or short > slice_s else None
+
+    # ---- the front-ends' slots ------------------------------------------------------------------
+    def frontend_ready(self, i: int, ready: bool) -> None:
+        self.a[HEAD + 2 * i] = 1.0 if ready else 0.0
+
+    def all_ready(self) -> bool:
+        return bool(self.a[ENGINE_READY]) and all(self.a[HEAD : HEAD + 2 * self.frontends : 2])
+
+    def set_arriving(self, i: int, n: int) -> None:
+        self.a[HEAD + 2 * i + 1] = n
+
+    def arriving(self) -> int:
+        """Requests received by any front-end, not yet handed to the engine."""
+        total = float(self.a[HEAD + 1 : HEAD + 2 * self.frontends : 2].sum())
+        return int(total) if math.isfinite(total) else 0

@@ -1,0 +1,148 @@
+"""A front-end's line to the engine (`EngineClient`): submits and cancels over a zmq DEALER socket, each answer
+matched to its request, and the engine's end noticed at once: the front-end holds a pidfd of the engine's
+process, which becomes readable the moment it exits. Then every request waiting on it is answered 503 with
+Retry-After (none hangs), and the client reconnects to the engine the supervisor starts in its place."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+
+import zmq
+import zmq.asyncio
+
+from ..board import Board
+from ..errors import Unavailable
+from ..messages import Cancel, Hello, Submit, Welcome, engine_address, from_frames, to_frames
+
+log = logging.getLogger("smallstate_lm.service")
+POLL_S = 0.02  # how often the board is read while the engine is not there
+HELLO_S = 5.0  # an engine that does not answer a hello in this long is taken to be going
+
+
+class EngineClient:
+    def __init__(self, rundir: str, index: int, board: Board):
+        self.address, self.index, self.board = engine_address(rundir), index, board
+        self.ctx = zmq.asyncio.Context()
+        self.sock: zmq.asyncio.Socket | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.welcome: Welcome | None = None
+        self.connected = asyncio.Event()
+        self._pidfd: int | None = None
+        self._lost_pid = 0
+        self._reader: asyncio.Task | None = None
+        self._reconnect: asyncio.Task | None = None
+        self._generation = 0
+        self.closed = False
+
+    async def connect(self) -> Welcome:
+        """Wait until an engine is ready on the board, then say hello; its welcome (cost model, description)."""
+        loop = asyncio.get_running_loop()
+        while not self.closed:
+            pid = self.board.engine_pid
+            if not self.board.engine_ready or pid in (0, self._lost_pid):
+                await asyncio.sleep(POLL_S)
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:  # gone already: the supervisor will start another
+                self._lost_pid = pid
+                continue
+            self._generation += 1
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, f"fe{self.index}-{os.getpid()}-{self._generation}".encode())
+            sock.connect(self.address)
+            await sock.send_multipart(to_frames(Hello(self.index)))
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(copy=False), HELLO_S)
+                welcome = from_frames([f.buffer for f in frames])
+            except asyncio.TimeoutError:
+                sock.close()
+                os.close(pidfd)
+                self._lost_pid = pid
+                continue
+            self.sock, self._pidfd, self.welcome = sock, pidfd, welcome
+            loop.add_reader(pidfd, self._lost, pid)
+            self._reader = asyncio.ensure_future(self._receive(sock))
+            self.connected.set()
+            return welcome
+        raise Unavailable("the service is shutting down", retry_after=1)
+
+    async def submit(self, msg: Submit) -> asyncio.Future:
+        """Send `msg` (its id is set here); the future gets the engine's answer (`Scored` or `Refused`), or
+        Unavailable when the engine ends first."""
+        if not self.connected.is_set():
+            raise Unavailable("the engine is restarting (the model is being loaded again); retry shortly",
+                              retry_after=2)
+        msg.id = next(self.ids)
+        future = asyncio.get_running_loop().create_future()
+        self.pending[msg.id] = future
+        await self.sock.send_multipart(to_frames(msg), copy=False)
+        return future
+
+    def cancel(self, id: int) -> None:
+        """The request `id` was given up: the engine stops its work (nothing to stop when it answered already)."""
+        if self.pending.pop(id, None) is not None and self.connected.is_set():
+            self.sock.send_multipart(to_frames(Cancel(id)))
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                msg = from_frames([f.buffer for f in frames])
+            except Exception:
+                log.exception("front-end: an answer of the engine that does not unpickle was dropped")
+                continue
+            future = self.pending.pop(getattr(msg, "id", -1), None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+
+    def _lost(self, pid: int) -> None:
+        """The engine exited: every request waiting on it is answered now, and a new engine is awaited."""
+        self._disconnect()
+        self._lost_pid = pid
+        error = Unavailable("the engine stopped while this request was in it; the service is restarting it: retry "
+                            "shortly", retry_after=2)
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        if not self.closed:
+            log.warning("front-end %d: the engine (pid %d) ended; %d requests answered 503; waiting for the next",
+                        self.index, pid, len(pending))
+            self._reconnect = asyncio.ensure_future(self._again())
+
+    async def _again(self) -> None:
+        try:
+            await self.connect()
+            log.info("front-end %d: connected to the new engine (pid %d)", self.index, self.welcome.pid)
+        except Unavailable:
+            pass
+
+    def _disconnect(self) -> None:
+        self.connected.clear()
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+        self._disconnect()
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(Unavailable("the service is shutting down; retry on another replica"))
+        self.pending.clear()
+        self.ctx.term()

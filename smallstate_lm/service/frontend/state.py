@@ -1,0 +1,217 @@
+"""What a front-end's routes and middleware share (`Service`): settings, metrics, the models it prices and
+prepares requests with, its line to the engine, readiness, and each request's deadline from its arrival to its
+answer, with the early refusals a large request gets while it is prepared (the engine admits it for good)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import math
+import time
+
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+
+from smallstate_lm.errors import SmallstateError
+
+from ..admission import check_backlog, check_lists
+from ..board import Board
+from ..errors import ClientGone, DeadlineExceeded, ServiceError, Unavailable
+from ..messages import Refused, Scored
+from ..metrics import Metrics
+from ..model import Models
+from ..settings import Settings
+from .client import EngineClient
+from .submit import engine_submit
+from .work import Work
+
+log = logging.getLogger("smallstate_lm.service")
+ARRIVAL = "smallstate.arriving"  # scope key: the request is counted in Service.arriving
+T0 = "smallstate.t0"  # scope key: when the request arrived (time.perf_counter); its deadline counts from it
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+class Service:
+    """What the routes share: settings, metrics, the models, the engine client and the readiness flags (ready once
+    connected to the engine and loaded; draining after SIGTERM; failed when the model did not load) and, once
+    shutting down, the time by which every request must be answered."""
+
+    def __init__(self, settings: Settings, rundir: str, index: int, board: Board):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.models = Models(settings, self.metrics)
+        self.board, self.index = board, index
+        self.client = EngineClient(rundir, index, board)
+        self._arriving = 0  # scoring requests received, not yet handed to the engine (see ArrivalMiddleware)
+        self.ready = False
+        self.draining = False
+        self.failed: str | None = None  # why the model may not serve, once known
+        self.stop_at = math.inf  # once shutting down: when every request gets its answer (perf_counter seconds)
+        self.stopping = asyncio.Event()
+
+    @property
+    def arriving(self) -> int:
+        return self._arriving
+
+    @arriving.setter
+    def arriving(self, n: int) -> None:
+        self._arriving = n
+        self.board.set_arriving(self.index, n)
+
+    @property
+    def lattice_ratio(self) -> float:
+        return self.client.welcome.lattice_ratio if self.client.welcome is not None else 0.1
+
+    async def start(self) -> None:
+        welcome = await self.client.connect()
+        try:
+            await run_in_threadpool(self.models.load, "cpu", welcome.cost, welcome.info)
+        except SmallstateError as e:
+            self.failed = str(e)
+            log.error("refusing to become ready: the model failed to load: %s", e)
+            return
+        gc.freeze()  # the models and the app live as long as the process: out of the collector's way
+        self.ready = True
+        self.board.frontend_ready(self.index, True)
+        self.metrics.ready.set(1)
+
+    def serving(self) -> bool:
+        """Whether /readyz says ready: every process of the service is, and this one is not draining."""
+        return self.ready and not self.draining and self.client.connected.is_set() and self.board.all_ready()
+
+    async def stop(self) -> None:
+        self.ready = False
+        self.board.frontend_ready(self.index, False)
+        self.metrics.ready.set(0)
+        self.client.close()
+
+    def set_draining(self) -> None:
+        self.draining = True
+        self.metrics.ready.set(0)
+
+    def begin_shutdown(self, stop_at: float) -> None:
+        """Every request in flight gets its answer by `stop_at` (perf_counter seconds): its result,
+        or 503; new ones get 503 at once."""
+        self.stop_at = stop_at
+        self.stopping.set()
+
+    def release_memory(self) -> None:
+        from ..memory import release_memory
+
+        asyncio.get_running_loop().run_in_executor(None, release_memory)
+
+    def arrived(self, scope) -> None:
+        """The request of `scope` stops counting as on its way in (once)."""
+        if scope.pop(ARRIVAL, False):
+            self.arriving -= 1
+
+    def unavailable(self) -> Unavailable:
+        """Why a scoring request cannot be served before the service is ready."""
+        return Unavailable("the model failed its start-up check" if self.failed else "the model is still loading",
+                           retry_after=2)
+
+    def timeout(self, request: Request) -> float:
+        """The request's time budget in seconds: X-Request-Timeout, at most request_timeout_s."""
+        limit = self.settings.request_timeout_s
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is None:
+            return limit
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            raise ServiceError(f"X-Request-Timeout must be a positive number of seconds, got {raw[:40]!r}",
+                               f"headers.{TIMEOUT_HEADER}")
+        return min(value, limit)
+
+    async def wait_any(self, waiters: set, deadline: float) -> set:
+        """The done ones of `waiters`; empty when `deadline` (perf_counter seconds) or, once
+        shutting down, the stop time passes first."""
+        while True:
+            done = {w for w in waiters if w.done()}
+            remaining = min(deadline, self.stop_at) - time.perf_counter()
+            if done or remaining <= 0:
+                return done
+            # a shutdown that begins meanwhile brings the deadline forward
+            stopping = set() if self.stopping.is_set() else {asyncio.ensure_future(self.stopping.wait())}
+            try:
+                await asyncio.wait(waiters | stopping, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in stopping:
+                    task.cancel()
+
+    async def submit(self, work: Work, request: Request, timeout: float) -> Scored:
+        """Hand the request's work to the engine and wait for its answer until the request's deadline (its arrival
+        + `timeout`) or the shutdown's; a deadline passed, a client gone or a shutdown stops its work there."""
+        if not self.ready:
+            raise self.unavailable()
+        if self.stop_at < math.inf:
+            raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
+        deadline = request_deadline(request, timeout)
+        msg = engine_submit(self.models, work, deadline - time.perf_counter(), timeout)
+        self.arrived(request.scope)
+        future = await self.client.submit(msg)
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            done = await self.wait_any({future, gone}, deadline)
+        except asyncio.CancelledError:
+            self.client.cancel(msg.id)
+            raise
+        finally:
+            gone.cancel()
+        if future in done:
+            answer = future.result()  # Unavailable when the engine ended meanwhile
+            if isinstance(answer, Refused):
+                raise answer.error
+            if self.client.welcome is not None:
+                self.client.welcome.lattice_ratio = answer.lattice_ratio
+            return answer
+        self.client.cancel(msg.id)
+        reason = "disconnect" if gone in done else "deadline" if time.perf_counter() >= deadline else "shutdown"
+        self.metrics.cancelled.labels(reason).inc()
+        if reason == "disconnect":
+            raise ClientGone("the client closed the connection; its work was stopped")
+        if reason == "shutdown":
+            raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
+        raise DeadlineExceeded(f"no answer within the request's deadline of {timeout:g} s (X-Request-Timeout, at "
+                               f"most request_timeout_s); its work was stopped", limit=timeout)
+
+    def early_checks(self, request: Request, timeout: float, field: str) -> EarlyChecks:
+        """The checks a large request's preparation makes as it goes, with the worker's backlog as it is now."""
+        return EarlyChecks(request_deadline(request, timeout), timeout, field, self.settings.slice_ms / 1000,
+                           self.board.long_backlog())
+
+
+def request_deadline(request: Request, timeout: float) -> float:
+    """When a request's answer is due (time.perf_counter): `timeout` seconds after its first byte arrived."""
+    return request.scope.get(T0, time.perf_counter()) + timeout
+
+
+class EarlyChecks:
+    """What a large request's preparation (on any thread) checks before the bulk of its work, so that a request
+    refused anyway costs a fraction of its preparation: its hypothesis lists against its deadline (`lists`, with
+    what they are predicted to take), and, while the worker is busy with long work, any part of it that is
+    already longer than one slice against the backlog (`so_far`, with a floor of what it will be predicted to
+    take): the same refusals as the engine's admission makes, with what is known so far."""
+
+    def __init__(self, deadline: float, timeout: float, field: str, slice_s: float, backlog: float | None):
+        self.deadline, self.timeout, self.field = deadline, timeout, field
+        self.slice_s, self.backlog = slice_s, backlog
+
+    def lists(self, seconds: float) -> None:
+        check_lists(seconds, self.deadline - time.perf_counter(), self.timeout, self.field)
+
+    def so_far(self, seconds: float) -> None:
+        """503 when the request needs at least `seconds` (a floor of its prediction), more than one slice, and
+        the long work queued ahead already fills what its deadline allows."""
+        if seconds > self.slice_s:  # its own part counted as 0: it may be mostly lattices' upper bound
+            check_backlog(self.backlog, 0.0, self.deadline - time.perf_counter(),
+                          f"this request at least {seconds:.1f} s")
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has closed the connection (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # a stray message: never spin

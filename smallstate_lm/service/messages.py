@@ -1,0 +1,143 @@
+"""What front-ends and the engine say to each other, and how it crosses between the processes.
+
+A front-end sends prepared work (`Submit`: hypothesis lists as token-id arrays, prepared lattices as arrays) and
+`Cancel`s; the engine answers each submit once, with `Scored` (per list its neural log-probs as one array, per
+lattice its expanded graph as arrays) or `Refused` (an error for the client, decided from the engine's global view
+of the work: admission, deadlines, shutdown). Never JSON.
+
+A message crosses as zmq frames: pickle protocol 5 with every contiguous array's buffer out of band, a frame of its
+own (`to_frames` / `from_frames`). Arrays are neither copied into the pickle nor walked element by element; on the
+way in they are views of the received frames (read-only). Measured against shared memory and against plain pickles
+in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from smallstate_lm.rescoring.expand.expanded import ExpandedLattice
+from smallstate_lm.rescoring.lattices.lattice import Lattice
+from smallstate_lm.scoring.trie import TreeSize
+from smallstate_lm.weights import Weights
+
+from .cost import CostModel
+from .errors import ServiceError
+
+
+def engine_address(rundir: str | Path) -> str:
+    """Where the engine listens: a socket file in the service's run directory."""
+    return f"ipc://{Path(rundir) / 'engine.sock'}"
+
+
+def to_frames(msg: Any) -> list:
+    """`msg` as zmq frames: the pickle, then each out-of-band buffer."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+    return [head, *(b.raw() for b in buffers)]
+
+
+def from_frames(frames: list) -> Any:
+    """The message of `to_frames`' frames (bytes, or zmq Frames received without a copy)."""
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+@dataclass
+class Hello:
+    """A front-end introduces itself (again after the engine restarted)."""
+
+    frontend: int
+
+
+@dataclass
+class Welcome:
+    """The engine's answer to `Hello`: what a front-end prices and describes requests with."""
+
+    pid: int
+    cost: CostModel  # calibrated on the engine's device
+    info: dict  # /v1/models
+    lattice_ratio: float
+
+
+@dataclass
+class ListJob:
+    """One hypothesis list as the neural LM sees it (any context words first)."""
+
+    tokens: np.ndarray  # (T,) int64: each hypothesis' word ids followed by </s>, end to end
+    lens: np.ndarray  # (H,) int64: tokens per hypothesis (with </s>)
+    seconds: float  # predicted by the cost model
+    depth: int  # tokens of its longest hypothesis
+    tree: TreeSize | None = None  # its trie's size, when prefixes are shared
+
+    def sequences(self) -> list[list[int]]:
+        """The hypotheses as the scorer takes them."""
+        return [s.tolist() for s in np.split(self.tokens, np.cumsum(self.lens)[:-1])]
+
+
+@dataclass
+class LatticeJob:
+    lattice: Lattice  # prepared
+    field: str  # the request field it came from (for errors)
+    seconds: float  # predicted: an upper bound
+    nbytes: int  # predicted peak bytes
+
+
+@dataclass
+class Submit:
+    """A request's work for the engine; `remaining` seconds of its deadline are left when it is sent."""
+
+    id: int
+    kind: Literal["rescore", "score"]
+    weights: Weights
+    lists: list[ListJob]
+    lattices: list[LatticeJob]
+    cost: int  # tokens: its share of a batch
+    seconds: float  # predicted: lists plus the lattices' upper bound
+    lattice_seconds: float
+    tokens_total: int
+    tokens_computed: int
+    remaining: float
+    timeout: float
+    field: str  # the request's field for errors about it as a whole
+
+
+@dataclass
+class Cancel:
+    """The request of `id` was given up (hang-up, deadline): its work stops."""
+
+    id: int
+
+
+@dataclass
+class Scored:
+    """A submit's answer. `neural`: per list, its hypotheses' token log-probs end to end (None without a neural
+    LM); `lattices`: per lattice, its expansion (its `source` left out: the front-end has it) or, where it failed
+    alone, the error for its field."""
+
+    id: int
+    neural: list[np.ndarray] | None
+    lattices: list[ExpandedLattice | ServiceError] = field(default_factory=list)
+    batch_size: int = 0
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    lattice_ratio: float = 0.1
+
+
+@dataclass
+class Refused:
+    id: int
+    error: BaseException  # a ServiceError for the client, or a RuntimeError for a bug (500)
+
+
+def portable(e: BaseException) -> BaseException:
+    """`e` as it may cross: a client's error as it is (without its frames), anything else as a RuntimeError
+    naming it (its traceback stays in the engine's log)."""
+    if isinstance(e, ServiceError):
+        e.__traceback__ = None
+        e.__context__ = e.__cause__ = None
+        return e
+    return RuntimeError(f"{type(e).__name__}: {e}")
