@@ -69,7 +69,7 @@ def lattice_packs(dev: Path, limit: int, max_per_state: int, n: int, max_utts: i
     comes first."""
     from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst
     from smallstate_lm.rescoring.lattices.lattice import SymbolTable
-    from smallstate_lm.service.inputs import lattice_cost
+    from smallstate_lm.service.frontend.inputs import lattice_cost
 
     symbols = SymbolTable.read(dev / "words.txt")
     lats = []

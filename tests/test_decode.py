@@ -12,7 +12,8 @@ import msgspec
 import pytest
 from pydantic import ValidationError
 
-from smallstate_lm.service import decode, schemas
+from smallstate_lm.service import schemas
+from smallstate_lm.service.frontend import decode
 from smallstate_lm.service.schemas import SPACES
 
 HYP = {"id": "h0", "words": ["in", "the", "beginning"], "am_score": -12.5, "graph_score": -3.25}

@@ -6,6 +6,7 @@ finds no 5xx (bad input and the limits: test_server_errors.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +73,26 @@ class Server:
                 raise RuntimeError(f"server did not become ready:\n{log.read_text()}")
             time.sleep(0.1)
 
+    def children(self) -> dict[int, str]:
+        """The service's processes under the supervisor: pid -> role ("engine" or "frontend")."""
+        kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        roles = {}
+        for pid in map(int, kids):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            role = next((c.decode().rsplit(".", 1)[1] for c in cmd if c.startswith(b"smallstate_lm.service.")), None)
+            if role is not None:
+                roles[pid] = role
+        return roles
+
+    def engine_pid(self) -> int:
+        return next(pid for pid, role in self.children().items() if role == "engine")
+
+    def frontend_pids(self) -> list[int]:
+        return sorted(pid for pid, role in self.children().items() if role == "frontend")
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -80,6 +102,28 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def engine_process(settings, log: Path):
+    """A real engine process in a run directory of its own, for a front-end app run in the test's own process
+    (where the test can watch it): yields the run directory, the board and the process."""
+    from smallstate_lm.service.board import Board
+    from smallstate_lm.service.supervisor import BOARD, write_run
+
+    rundir = Path(tempfile.mkdtemp(prefix="smallstate-test-"))
+    write_run(rundir, settings, 1)
+    board = Board(rundir / BOARD, 1, create=True)
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    proc = subprocess.Popen([sys.executable, "-m", "smallstate_lm.service.engine", str(rundir)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        yield rundir, board, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
+        shutil.rmtree(rundir, ignore_errors=True)
 
 
 def served(tiny_lm_dir, kenlm_model, tmp_path_factory, name: str = "srv"):

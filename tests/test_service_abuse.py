@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 from conftest import DATA, REPO
-from test_server import Server, _check, _metric, hyp, post, utt
+from test_server import Server, _check, _metric, engine_process, hyp, post, utt
 
 # The most frequent words of the training text: in the tiny LM's vocabulary and the n-gram's.
 WORDS = [w for w, _ in collections.Counter((DATA / "train.txt").read_text().split()).most_common(400)]
@@ -282,12 +282,18 @@ def big_request(mib: float = 9.7) -> bytes:
     return json.dumps({"utterances": utts}).encode()
 
 
-def test_large_bodies_are_parsed_and_encoded_off_the_event_loop(tiny_lm_dir, kenlm_model, monkeypatch):
-    from smallstate_lm.service import Settings, create_app, decode
-    from smallstate_lm.service.http import responses
+def test_large_bodies_are_parsed_and_encoded_off_the_event_loop(tiny_lm_dir, kenlm_model, monkeypatch, tmp_path,
+                                                                  request):
+    from smallstate_lm.service import Settings
+    from smallstate_lm.service.frontend import decode, responses
+    from smallstate_lm.service.frontend.app import create_app
     from smallstate_lm.service.schemas import RescoreRequest
 
-    app = create_app(Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), threads=1))
+    settings = Settings(lm=str(tiny_lm_dir), ngram=str(kenlm_model), threads=1)
+    engine = engine_process(settings, tmp_path / "engine.log")
+    rundir, board, _ = engine.__enter__()
+    request.addfinalizer(lambda: engine.__exit__(None, None, None))
+    app = create_app(settings, str(rundir), 0, board)  # a front-end in this process, where its threads are seen
     body = big_request(2.0)
     calls: list[tuple[str, int, threading.Thread]] = []
     loads, encode = json.loads, responses._json
@@ -338,7 +344,12 @@ def test_memory_returns_near_baseline_after_large_requests(tiny_lm_dir, kenlm_mo
         body = big_request()
         assert len(body) > 9 * 2**20
         assert post(srv, "/rescore", {"utterances": [utt()]}).status_code == 200
-        baseline = _rss_mib(srv.proc.pid)
+        pids = list(srv.children())  # every process's memory: the front-end's (bodies, answers) and the engine's
+
+        def rss() -> float:
+            return sum(_rss_mib(pid) for pid in pids)
+
+        baseline = rss()
         for _ in range(3):
             r = httpx.post(srv.url + "/rescore", content=body, headers={"content-type": "application/json"},
                            timeout=600)
@@ -347,7 +358,7 @@ def test_memory_returns_near_baseline_after_large_requests(tiny_lm_dir, kenlm_mo
         # Before: twice the baseline, and growing. After: freed memory goes back to the OS once each response
         # is sent; what CPython's small-object arenas keep (pinned by a few long-lived objects) stays under the
         # documented cap of half the baseline of this small process, and does not grow with more requests.
-        wait_until(lambda: _rss_mib(srv.proc.pid) <= 1.5 * baseline, what=f"RSS within 1.5 x {baseline:.0f} MiB")
+        wait_until(lambda: rss() <= 1.5 * baseline, what=f"RSS within 1.5 x {baseline:.0f} MiB")
     finally:
         assert srv.stop() == 0
 
@@ -356,9 +367,9 @@ def test_memory_returns_near_baseline_after_large_requests(tiny_lm_dir, kenlm_mo
 # The model's self-check at start-up
 
 
-def test_a_model_that_fails_its_self_check_never_becomes_ready(tiny_lm_dir, kenlm_model, tmp_path, caplog):
+def test_a_model_that_fails_its_self_check_never_becomes_ready(tiny_lm_dir, kenlm_model, tmp_path):
     from smallstate_lm.checkpoint import MODEL_FILE, load_model, save_checkpoint
-    from smallstate_lm.service import Settings, create_app
+    from smallstate_lm.service import Settings
 
     lm = load_model(tiny_lm_dir)
     with torch.no_grad():
@@ -367,20 +378,13 @@ def test_a_model_that_fails_its_self_check_never_becomes_ready(tiny_lm_dir, kenl
     broken = tmp_path / "broken"
     broken.mkdir()
     save_checkpoint(broken / MODEL_FILE, lm.model, lm.vocab)
-    # the app: the lifespan completes without serving; readiness says why
-    app = create_app(Settings(lm=str(broken), ngram=str(kenlm_model), threads=1))
-
-    async def run():
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-                return await client.get("/readyz"), await client.post("/score", json={"sentences": ["the"]})
-
-    with caplog.at_level("ERROR", logger="smallstate_lm.service"):
-        ready, scored = asyncio.run(run())
-    assert ready.status_code == 503 and ready.json()["status"] == "failed", ready.text
-    assert scored.status_code == 503
-    assert any("self-check" in r.getMessage() and "not finite" in r.getMessage() for r in caplog.records)
+    # the engine: it refuses to become ready, says why in one line, and exits with its own status
+    with engine_process(Settings(lm=str(broken), ngram=str(kenlm_model), threads=1), tmp_path / "engine.log") as (
+            rundir, board, proc):
+        assert proc.wait(120) == 3
+        assert not board.engine_ready
+        why = (rundir / "engine.failed").read_text()
+    assert "self-check" in (tmp_path / "engine.log").read_text() and "not finite" in why, why
     # the command: one line, no traceback, non-zero exit, the port never answers ready
     proc = subprocess.run([sys.executable, "-c", "from smallstate_lm.service import Settings, serve; "
                            f"serve(Settings(lm={str(broken)!r}, port=0, device='cpu', threads=1))"],

@@ -164,7 +164,7 @@ def test_lattices_that_would_not_fit_in_memory_together_are_served_fewer_at_a_ti
                                                                                     tmp_path):
     """A request whose lattices' predicted peaks exceed max_request_bytes together, each fitting alone, is let in
     and expanded a few at a time: the same answers as a server whose limit holds them all together."""
-    from smallstate_lm.service.inputs import rescore_work
+    from smallstate_lm.service.frontend.inputs import rescore_work
     from smallstate_lm.service.model import Models
     from smallstate_lm.service.schemas import RescoreRequest
     from smallstate_lm.service.settings import Settings
@@ -201,9 +201,10 @@ def test_running_out_of_memory_answers_503_and_the_worker_goes_on(tiny_lm_dir, t
     srv = Server(tiny_lm_dir, None, "max_level_bytes=8000000000", "drain_seconds=0", log=tmp_path / "server.log")
     try:
         assert post(srv, "/rescore", {"utterances": [utt()]}).status_code == 200
-        size = next(int(ln.split()[1]) * 1024 for ln in open(f"/proc/{srv.proc.pid}/status")
+        engine = srv.engine_pid()  # the process that holds the model and expands the lattice
+        size = next(int(ln.split()[1]) * 1024 for ln in open(f"/proc/{engine}/status")
                     if ln.startswith("VmSize:"))
-        resource.prlimit(srv.proc.pid, resource.RLIMIT_AS, (size + 250 * 2**20,) * 2)
+        resource.prlimit(engine, resource.RLIMIT_AS, (size + 250 * 2**20,) * 2)
         r = post(srv, "/rescore", fan_lattice(64, 2000))
         body = _check(r, 503)
         assert "memory" in body["detail"], body
@@ -218,12 +219,13 @@ def test_a_wide_lattice_level_stays_within_max_level_bytes_and_memory_goes_back(
     srv = Server(tiny_lm_dir, None, "max_level_bytes=4000000", "drain_seconds=0", log=tmp_path / "server.log")
     try:
         assert post(srv, "/rescore", {"utterances": [utt()]}).status_code == 200
-        baseline = _rss_mib(srv.proc.pid)
+        engine = srv.engine_pid()
+        baseline = _rss_mib(engine)
         r = post(srv, "/rescore", fan_lattice(64, 2000))
         assert r.status_code == 200, r.text
         assert r.json()["utterances"][0]["best"]["words"]
         # 128,000 histories x words would hold ~400 MiB of LM state; the level keeps what fits in 4 MB
-        wait_until(lambda: _rss_mib(srv.proc.pid) <= baseline + 100, what=f"RSS near {baseline:.0f} MiB")
+        wait_until(lambda: _rss_mib(engine) <= baseline + 100, what=f"RSS near {baseline:.0f} MiB")
     finally:
         assert srv.stop() == 0
 

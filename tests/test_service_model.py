@@ -4,6 +4,8 @@ prepared once on its way through the expansion."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from conftest import TEST_DATA
 
@@ -11,11 +13,11 @@ from smallstate_lm.rescoring.expand.rescorer import build_rescorer
 from smallstate_lm.rescoring.formats.lattice_io import lattice_to_text, read_fst
 from smallstate_lm.rescoring.lattices.lattice import Lattice, SymbolTable
 from smallstate_lm.service.errors import Unavailable
-from smallstate_lm.service.inputs import parse_lattice
+from smallstate_lm.service.frontend.inputs import parse_lattice
+from smallstate_lm.service.frontend.work import prepared
 from smallstate_lm.service.model import Models
 from smallstate_lm.service.schemas import LatticeIn
 from smallstate_lm.service.settings import Settings
-from smallstate_lm.service.work import prepared
 from smallstate_lm.weights import Weights
 
 LAT_DIR = TEST_DATA / "lattices"
@@ -121,9 +123,9 @@ def test_lists_are_refused_before_they_are_built_with_the_prediction_make_work_m
     hypotheses are built, the work of a request refused anyway), with what `make_work` predicts for them."""
     import random
 
-    from smallstate_lm.service import inputs
     from smallstate_lm.service.errors import CostLimitError
-    from smallstate_lm.service.inputs import rescore_work
+    from smallstate_lm.service.frontend import inputs
+    from smallstate_lm.service.frontend.inputs import rescore_work
     from smallstate_lm.service.schemas import RescoreRequest
 
     words = models.loaded.vocab.words[4:200]
@@ -158,7 +160,7 @@ def test_the_floor_told_as_a_request_grows_never_passes_its_prediction(models):
     with context, lists scored whole and in pieces."""
     import random
 
-    from smallstate_lm.service.inputs import rescore_work
+    from smallstate_lm.service.frontend.inputs import rescore_work
     from smallstate_lm.service.schemas import RescoreRequest
 
     words = models.loaded.vocab.words[4:300]
@@ -186,7 +188,7 @@ def test_a_busy_service_refuses_a_growing_request_before_the_rest_of_it_is_read(
     them included: the service could not look at it)."""
     import random
 
-    from smallstate_lm.service import inputs
+    from smallstate_lm.service.frontend import inputs
     from smallstate_lm.service.schemas import RescoreRequest
 
     words = models.loaded.vocab.words[4:100]
@@ -227,9 +229,9 @@ def test_a_busy_service_refuses_a_growing_request_before_the_rest_of_it_is_read(
 def test_lattices_stop_being_parsed_once_their_predicted_seconds_pass_the_limit(models, monkeypatch):
     import dataclasses
 
-    from smallstate_lm.service import inputs
     from smallstate_lm.service.cost import lattice_shape
     from smallstate_lm.service.errors import CostLimitError
+    from smallstate_lm.service.frontend import inputs
     from smallstate_lm.service.schemas import RescoreRequest
 
     lat = _lattices()[0]
@@ -258,10 +260,10 @@ def test_lattices_that_do_not_fit_together_are_expanded_fewer_at_a_time_and_one_
     within the limit); a lattice over the limit alone is refused naming it, the lattices after it never read."""
     import dataclasses
 
-    from smallstate_lm.service import inputs
+    from smallstate_lm.service.cost import lattices_together
     from smallstate_lm.service.errors import CostLimitError
+    from smallstate_lm.service.frontend import inputs
     from smallstate_lm.service.schemas import RescoreRequest
-    from smallstate_lm.service.work import lattices_together
 
     lat = _lattices()[0]
     rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
@@ -275,8 +277,9 @@ def test_lattices_that_do_not_fit_together_are_expanded_fewer_at_a_time_and_one_
     limit = dataclasses.replace(models.s, max_request_bytes=int(2.5 * one))
     work = inputs.rescore_work(body, models, limit)
     assert work.nbytes == 2 * one <= limit.max_request_bytes
-    assert lattices_together(models, [it.nbytes for it in work.items], limit.max_request_bytes) == 2
-    assert lattices_together(models, [it.nbytes for it in work.items], 100 * one) == 6  # all fit: one batch
+    per_batch, peaks = models.expand_config.lattices_per_batch(True), [it.nbytes for it in work.items]
+    assert lattices_together(per_batch, peaks, limit.max_request_bytes) == 2
+    assert lattices_together(per_batch, peaks, 100 * one) == 6  # all fit: one batch
     parsed = []
     parse = inputs.parse_lattice
     monkeypatch.setattr(inputs, "parse_lattice", lambda *a, **k: parsed.append(a[1]) or parse(*a, **k))
@@ -293,10 +296,11 @@ def test_the_worker_expands_a_group_of_lattices_as_many_at_a_time_as_fit_the_byt
     import dataclasses
 
     from smallstate_lm.rescoring.expand import rescorer as lattice_expand
-    from smallstate_lm.service import inputs
-    from smallstate_lm.service.batcher import Job
+    from smallstate_lm.service.engine.batcher import Job
+    from smallstate_lm.service.engine.worker import EngineWork, Worker
+    from smallstate_lm.service.frontend import inputs
+    from smallstate_lm.service.frontend.submit import engine_submit
     from smallstate_lm.service.schemas import RescoreRequest
-    from smallstate_lm.service.worker import Worker
 
     lat = _lattices()[0]
     rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
@@ -317,37 +321,8 @@ def test_the_worker_expands_a_group_of_lattices_as_many_at_a_time_as_fit_the_byt
 
     monkeypatch.setattr(lattice_expand._Schedule, "_fill", counted)
     answers = {}
-    for _ in Worker(models).run_batch([Job(w.cost, w) for w in works], lambda job, res: answers.update({id(job): res})):
+    jobs = [Job(w.cost, EngineWork(engine_submit(models, w, math.inf, math.inf))) for w in works]
+    for _ in Worker(models).run_batch(jobs, lambda job, res: answers.update({id(job): res})):
         pass
     assert len(answers) == 2 and not any(isinstance(r, BaseException) for r in answers.values()), answers
     assert max(flights) == 2, flights  # six lattices, two at a time
-
-
-def test_work_priced_only_predicts_what_the_work_predicts(models):
-    """The pricing process prepares work without the lattices' weights (`priced_only`): its prediction, steps and
-    arcs are those of the work the server prepares, lattice for lattice."""
-    from smallstate_lm.service.inputs import rescore_work
-    from smallstate_lm.service.schemas import RescoreRequest
-
-    utterances = []
-    for k, lat in enumerate(_lattices()):
-        rows = [line.split("\t") for line in lattice_to_text(lat).splitlines()]
-        text = "\n".join("\t".join(r[:2] + [lat.symbols.word(int(r[2]))] * 2 + r[4:]) if len(r) == 5 else
-                         "\t".join(r) for r in rows) + "\n"
-        utterances.append({"id": f"l{k}", "lattice": {"format": "openfst-text", "data": text}})
-        utterances.append({"id": f"n{k}", "hypotheses": [{"text": " ".join(lat.symbols.word(int(r[2]))
-                                                                            for r in rows[j : j + 6] if len(r) == 5),
-                                                          "am_score": -1.0} for j in range(0, 60, 3)]})
-    body = RescoreRequest.model_validate({"utterances": utterances})
-    full, priced = rescore_work(body, models, models.s), rescore_work(body, models, models.s, priced_only=True)
-    told = _Told()  # with the early checks, the lists are priced from their lengths, not built (`PricedList`)
-    early = rescore_work(body, models, models.s, told, priced_only=True)
-    assert priced.seconds == full.seconds and priced.lattice_seconds == full.lattice_seconds > 0
-    assert priced.cost == full.cost and priced.tokens_total == full.tokens_total
-    assert (early.seconds, early.cost, early.tokens_total, early.nbytes) == (full.seconds, full.cost,
-                                                                             full.tokens_total, full.nbytes)
-    assert len(told.told) == 1 and all(type(it).__name__ == "PricedList" for it in early.items[1::2])
-    for a, b in zip(priced.items, full.items, strict=True):
-        if hasattr(a, "lattice"):
-            assert a.shape.total_steps == b.shape.total_steps and a.lattice.num_arcs == b.lattice.num_arcs
-            assert not a.lattice.graph.any() and b.lattice.graph.any()  # the weights were not read

@@ -186,7 +186,7 @@ class Engine:
         self.jobs.pop((who, id), None)
         if future.cancelled():  # the front-end gave it up: it waits for no answer
             return
-        result = future.result()
+        result = future.exception() or future.result()  # the batcher delivers an error as the future's exception
         if isinstance(result, BaseException):
             if not isinstance(result, ServiceError):
                 log.error("engine: a request failed", exc_info=result)

@@ -22,7 +22,6 @@ from ..settings import Settings
 from .work import (
     LatticeItem,
     NbestItem,
-    PricedList,
     Work,
     lattice_item,
     list_floor,
@@ -45,21 +44,16 @@ class Early(Protocol):
     def so_far(self, seconds: float) -> None: ...
 
 
-def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early | None = None,
-                 priced_only: bool = False) -> Work:
-    """The request's work; `early`, when given, is told what is known of its cost before the bulk of it.
-    `priced_only`: work to be priced, never run (its lattices' weights are not read)."""
+def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early | None = None) -> Work:
+    """The request's work; `early`, when given, is told what is known of its cost before the bulk of it."""
     if len(body.utterances) > s.max_utterances:
         raise LimitError(f"{len(body.utterances)} utterances, more than the limit of {s.max_utterances} "
                          f"(max_utterances)", "utterances", s.max_utterances)
     if body.nbest is not None and body.nbest > s.max_nbest:
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
     weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
-    lists_floor, sizes, lens = _check_lists_early(body, models, s, early) if early is not None else (0.0, None, None)
-    # to be priced only, lists within the count limits (all were counted) are their hypotheses' lengths: building
-    # their hypotheses took a 2 MB request of lists a third of its pricing
-    priced = iter(lens) if priced_only and sizes is not None else None
-    items: list[NbestItem | PricedList | LatticeItem] = []
+    lists_floor, sizes, _ = _check_lists_early(body, models, s, early) if early is not None else (0.0, None, None)
+    items: list[NbestItem | LatticeItem] = []
     fields = []
     steps = 0  # estimated LM steps of the request's lattices
     lattice_s = 0.0  # and their predicted seconds: over the limit, the rest of the request need not be parsed
@@ -67,12 +61,12 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
             # its hypotheses built once
-            items.append(PricedList(next(priced)) if priced is not None else nbest_item(*_hypotheses(u, where, s)))
+            items.append(nbest_item(*_hypotheses(u, where, s)))
         else:
             if u.context is not None:
                 raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
                                    f"{where}.context")
-            lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs, costs=not priced_only)
+            lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs, )
             shape = lattice_shape(lat, s.max_per_state)
             steps += shape.total_steps
             if steps > s.max_lattice_cost:

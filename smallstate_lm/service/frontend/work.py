@@ -51,19 +51,6 @@ class NbestItem:
 
 
 @dataclass
-class PricedList:
-    """A hypothesis list as the lengths of its hypotheses only (as the LMs see them: any context words first),
-    given with its trie's size: the list of a request to be priced, never run, whose hypotheses need not be
-    built. Its estimate as `NbestItem`'s."""
-
-    lens: list[int]
-    cost: int = 0
-    depth: int = 0
-    seconds: float = 0.0
-    tree: TreeSize | None = None
-
-
-@dataclass
 class LatticeItem:
     lattice: Lattice  # prepared (see `prepared`); its name is the utterance id
     n: int  # distinct word sequences to return
@@ -82,7 +69,7 @@ class Work:
 
     kind: Literal["rescore", "score"]
     weights: Weights
-    items: list[NbestItem | PricedList | LatticeItem]
+    items: list[NbestItem | LatticeItem]
     fields: list[str]
     nbest: int | None = None  # hypotheses returned per list; None: all
     token_logprobs: bool = False
@@ -101,8 +88,7 @@ class Work:
     @property
     def hypotheses(self) -> int:
         """Hypotheses its answer may hold: every list's, and up to n per lattice."""
-        return sum(len(it.scored.hyps) if isinstance(it, NbestItem) else it.n if isinstance(it, LatticeItem)
-                   else len(it.lens) for it in self.items)
+        return sum(len(it.scored.hyps) if isinstance(it, NbestItem) else it.n for it in self.items)
 
 
 class PreparedLattice(Lattice):
@@ -202,14 +188,11 @@ def lattice_item(models: Models, lat: Lattice, n: int, shape: LatticeShape | Non
 
 
 
-def _estimate_list(models: Models, it: NbestItem | PricedList, size: TreeSize | None) -> tuple[int, int]:
+def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tuple[int, int]:
     """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
     tokens and predicted peak bytes. `size`: its trie's (`trie_sizes_of`; None unless the scorer shares prefixes)."""
-    if isinstance(it, PricedList):
-        est = _list_estimate(models, it.lens, size)
-    else:
-        seqs = [h.words for h in it.scored.hyps]
-        est = _list_estimate(models, list(map(len, seqs)), size, seqs)
+    seqs = [h.words for h in it.scored.hyps]
+    est = _list_estimate(models, list(map(len, seqs)), size, seqs)
     tokens, it.cost, it.depth, nbytes, it.seconds = est
     it.tree = size
     return tokens, nbytes
