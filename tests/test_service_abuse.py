@@ -384,7 +384,7 @@ def test_a_model_that_fails_its_self_check_never_becomes_ready(tiny_lm_dir, kenl
         assert proc.wait(120) == 3
         assert not board.engine_ready
         why = (rundir / "engine.failed").read_text()
-    assert "self-check" in (tmp_path / "engine.log").read_text() and "not finite" in why, why
+    assert "not finite" in why, why
     # the command: one line, no traceback, non-zero exit, the port never answers ready
     proc = subprocess.run([sys.executable, "-c", "from smallstate_lm.service import Settings, serve; "
                            f"serve(Settings(lm={str(broken)!r}, port=0, device='cpu', threads=1))"],

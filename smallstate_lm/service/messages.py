@@ -5,10 +5,11 @@ A front-end sends prepared work (`Submit`: hypothesis lists as token-id arrays, 
 lattice its expanded graph as arrays) or `Refused` (an error for the client, decided from the engine's global view
 of the work: admission, deadlines, shutdown). Never JSON.
 
-A message crosses as zmq frames: pickle protocol 5 with every contiguous array's buffer out of band, a frame of its
-own (`to_frames` / `from_frames`). Arrays are neither copied into the pickle nor walked element by element; on the
-way in they are views of the received frames (read-only). Measured against shared memory and against plain pickles
-in docs/architecture.md.
+A message crosses as zmq frames: a pickle of protocol 5, in which every array is its raw bytes (never walked
+element by element), with each array of OUT_OF_BAND bytes or more as a frame of its own, not copied into the
+pickle (`to_frames` / `from_frames`); on the way in those are views of the received frames (read-only). Why this
+way and not another (shared memory, all out of band, all in band): docs/architecture.md, measured by
+benchmarks/bench_messages.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from smallstate_lm.weights import Weights
 from .cost import CostModel
 from .errors import ServiceError
 
+# Arrays at least this large cross as frames of their own; smaller ones inside the pickle, where a copy of a few
+# KiB costs less than a frame's own handling (benchmarks/bench_messages.py).
+OUT_OF_BAND = 64 * 1024
+
 
 def engine_address(rundir: str | Path) -> str:
     """Where the engine listens: a socket file in the service's run directory."""
@@ -35,10 +40,18 @@ def engine_address(rundir: str | Path) -> str:
 
 
 def to_frames(msg: Any) -> list:
-    """`msg` as zmq frames: the pickle, then each out-of-band buffer."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
-    return [head, *(b.raw() for b in buffers)]
+    """`msg` as zmq frames: the pickle, then each out-of-band buffer (arrays of OUT_OF_BAND bytes and more)."""
+    buffers: list[memoryview] = []
+
+    def place(buffer: pickle.PickleBuffer) -> bool:  # True: in band
+        raw = buffer.raw()
+        if raw.nbytes < OUT_OF_BAND:
+            return True
+        buffers.append(raw)
+        return False
+
+    head = pickle.dumps(msg, protocol=5, buffer_callback=place)
+    return [head, *buffers]
 
 
 def from_frames(frames: list) -> Any:

@@ -185,7 +185,9 @@ class Supervisor:
             time.sleep(POLL_S)
             code = self.engine.poll()
             if code is not None and self.signalled is None:
-                log.error("the engine (pid %d) exited with status %s; starting it again", self.engine.pid, code)
+                failed = self.rundir / FAILED
+                why = f": the model failed to load or its self-check: {failed.read_text()}" if failed.exists() else ""
+                log.error("the engine (pid %d) exited with status %s%s; starting it again", self.engine.pid, code, why)
                 self.board.engine(0, False)
                 self._forget(self.engine.pid)
                 time.sleep(self.s.restart_delay_s)

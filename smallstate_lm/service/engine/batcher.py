@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,18 +100,14 @@ class _Batch:
 LONG_AFTER = 4
 
 
-HOLD_S = 0.1  # the longest a held worker waits between two steps
 ARRIVALS_S = 0.001  # how often the requests on their way in are counted again while a batch waits for company
 
 
-def _advance(steps: Iterator[Any], budget_s: float, waiting: Callable[[], bool] = lambda: False,
-             run: threading.Event | None = None) -> bool:
+def _advance(steps: Iterator[Any], budget_s: float, waiting: Callable[[], bool] = lambda: False) -> bool:
     """Run steps for about `budget_s` seconds (on the worker thread), or until `waiting()` says new work is
-    queued; True when none are left. Between steps, while `run` is clear, wait for it (at most HOLD_S)."""
+    queued; True when none are left."""
     end = time.perf_counter() + budget_s
     for _ in steps:
-        if run is not None and not run.is_set():
-            run.wait(HOLD_S)
         if time.perf_counter() >= end or waiting():
             return False
     return True
@@ -153,28 +147,6 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="smallstate-worker")
-        self.run = threading.Event()  # cleared: the worker holds between steps (see `_advance`)
-        self.run.set()
-        self._holds = 0
-        self._hold_lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def held(self, hold: bool = True):
-        """While inside (and `hold`), the worker waits between two steps, at most HOLD_S each time: for work of the
-        server's that must not share the cores with the model's (any thread)."""
-        if not hold:
-            yield
-            return
-        with self._hold_lock:
-            self._holds += 1
-            self.run.clear()
-        try:
-            yield
-        finally:
-            with self._hold_lock:
-                self._holds -= 1
-                if not self._holds:
-                    self.run.set()
 
     @property
     def depth(self) -> int:
@@ -358,8 +330,7 @@ class Batcher:
             # a small request queued meanwhile is turned to after the current step of a long batch, not after
             # its whole slice
             waiting = (lambda: any(not self._is_long(j) for j in self._queue)) if run.long else (lambda: False)
-            done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s, waiting,
-                                                   self.run)
+            done = await self._loop.run_in_executor(self._executor, _advance, run.steps, self.slice_s, waiting)
         except Exception as e:  # a bug in the worker: fail this batch's requests, keep serving
             log.exception("batch of %d request(s) failed", len(run.jobs))
             for job in run.jobs:

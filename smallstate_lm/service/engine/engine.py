@@ -83,8 +83,7 @@ class Engine:
             # The worker thread loads the model: it is the thread that will use it (and the GPU).
             await self.batcher.call(self.models.load)
         except SmallstateError as e:  # a bad checkpoint, or finite weights whose scores are not (self-check)
-            log.error("refusing to become ready: the model failed to load or its self-check: %s", e)
-            (self.rundir / FAILED).write_text(str(e))
+            (self.rundir / FAILED).write_text(str(e))  # the supervisor says it, once
             return 3
         await self._warm_up()
         ctx = zmq.asyncio.Context()

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import os
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -23,8 +24,9 @@ HELLO_S = 5.0  # an engine that does not answer a hello in this long is taken to
 
 
 class EngineClient:
-    def __init__(self, rundir: str, index: int, board: Board):
+    def __init__(self, rundir: str, index: int, board: Board, on_welcome: Callable[[Welcome], None] = lambda w: None):
         self.address, self.index, self.board = engine_address(rundir), index, board
+        self.on_welcome = on_welcome  # told each engine's welcome (a new engine calibrated its cost model anew)
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
         self.pending: dict[int, asyncio.Future] = {}
@@ -66,6 +68,7 @@ class EngineClient:
                 self._lost_pid = pid
                 continue
             self.sock, self._pidfd, self.welcome = sock, pidfd, welcome
+            self.on_welcome(welcome)
             loop.add_reader(pidfd, self._lost, pid)
             self._reader = asyncio.ensure_future(self._receive(sock))
             self.connected.set()

@@ -42,7 +42,7 @@ class Service:
         self.metrics = Metrics()
         self.models = Models(settings, self.metrics)
         self.board, self.index = board, index
-        self.client = EngineClient(rundir, index, board)
+        self.client = EngineClient(rundir, index, board, self._welcomed)
         self._arriving = 0  # scoring requests received, not yet handed to the engine (see ArrivalMiddleware)
         self.ready = False
         self.draining = False
@@ -75,6 +75,11 @@ class Service:
         self.ready = True
         self.board.frontend_ready(self.index, True)
         self.metrics.ready.set(1)
+
+    def _welcomed(self, welcome) -> None:
+        """An engine (again, after a restart): its cost model and description from now on."""
+        if self.ready:
+            self.models.cost, self.models.info = welcome.cost, welcome.info
 
     def serving(self) -> bool:
         """Whether /readyz says ready: every process of the service is, and this one is not draining."""
