@@ -1,25 +1,26 @@
 """What every process of the service reads at a glance, without asking anyone: a small board of numbers in shared
 memory (a file in the service's run directory, mapped by each process). The engine writes its pid, whether it is
-ready and the long work it has queued; each front-end whether it is ready and how many requests are on their way
-in to it. Each slot has one writer, and a float64 is written whole: no locks."""
+ready and the long work it has queued; each front-end whether it is ready, and how many scoring requests it has
+received and handed on (to the engine, or answered before that) so far. Each slot has one writer (the supervisor
+settles a dead front-end's), and a float64 is written whole: no locks."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
 ENGINE_PID, ENGINE_READY, LONG_BACKLOG, SHORT_BACKLOG, SLICE_S = range(5)
-HEAD = 8  # slots before the front-ends' pairs (ready, arriving)
+HEAD = 8  # slots before the front-ends' (ready, received, handed on)
+PER = 3
 
 
 class Board:
     def __init__(self, path: str | Path, frontends: int, create: bool = False):
         if create:
-            np.zeros(HEAD + 2 * frontends, dtype=np.float64).tofile(path)
+            np.zeros(HEAD + PER * frontends, dtype=np.float64).tofile(path)
         self.frontends = frontends
-        self.a = np.memmap(path, dtype=np.float64, mode="r+", shape=(HEAD + 2 * frontends,))
+        self.a = np.memmap(path, dtype=np.float64, mode="r+", shape=(HEAD + PER * frontends,))
 
     # ---- the engine's slots ---------------------------------------------------------------------
     def engine(self, pid: int, ready: bool) -> None:
@@ -45,15 +46,26 @@ class Board:
 
     # ---- the front-ends' slots ------------------------------------------------------------------
     def frontend_ready(self, i: int, ready: bool) -> None:
-        self.a[HEAD + 2 * i] = 1.0 if ready else 0.0
+        self.a[HEAD + PER * i] = 1.0 if ready else 0.0
 
     def all_ready(self) -> bool:
-        return bool(self.a[ENGINE_READY]) and all(self.a[HEAD : HEAD + 2 * self.frontends : 2])
+        return bool(self.a[ENGINE_READY]) and all(self.a[HEAD : HEAD + PER * self.frontends : PER])
 
-    def set_arriving(self, i: int, n: int) -> None:
-        self.a[HEAD + 2 * i + 1] = n
+    def counts(self, i: int) -> tuple[int, int]:
+        """Front-end `i`'s scoring requests received and handed on so far."""
+        return int(self.a[HEAD + PER * i + 1]), int(self.a[HEAD + PER * i + 2])
 
-    def arriving(self) -> int:
-        """Requests received by any front-end, not yet handed to the engine."""
-        total = float(self.a[HEAD + 1 : HEAD + 2 * self.frontends : 2].sum())
-        return int(total) if math.isfinite(total) else 0
+    def set_counts(self, i: int, received: int, handed: int) -> None:
+        self.a[HEAD + PER * i + 1], self.a[HEAD + PER * i + 2] = received, handed
+
+    def settle(self, i: int) -> None:
+        """A dead front-end's requests will never be handed on: none is on its way in any more."""
+        self.a[HEAD + PER * i + 2] = self.a[HEAD + PER * i + 1]
+
+    def received(self) -> int:
+        """Scoring requests every front-end has received so far."""
+        return int(self.a[HEAD + 1 : HEAD + PER * self.frontends : PER].sum())
+
+    def handed(self) -> int:
+        """Scoring requests every front-end has handed on (to the engine, or answered before that) so far."""
+        return int(self.a[HEAD + 2 : HEAD + PER * self.frontends : PER].sum())

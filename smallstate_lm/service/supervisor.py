@@ -1,9 +1,10 @@
-"""The service as processes (`serve`): the supervisor, this process, opens the listening socket, starts the
-engine (the model on the device, the one queue), waits until it is ready, then starts the front-ends (HTTP and
-every per-request job), which share the socket. It watches them: a front-end that dies is started again; an
-engine that dies is started again (its front-ends have answered its requests 503 at once, and reconnect). On
-SIGTERM the front-ends drain and finish their requests within the grace time, then the engine stops, and the
-supervisor exits 0. It imports neither torch nor the web stack: it only starts, watches and stops."""
+"""The service as processes (`serve`): the supervisor, this process, holds the service's port, starts the engine
+(the model on the device, the one queue), waits until it is ready, then starts the front-ends (HTTP and every
+per-request job), each listening on that port (SO_REUSEPORT: the kernel spreads connections over them). It
+watches them: a front-end that dies is started again; an engine that dies is started again (its front-ends have
+answered its requests 503 at once, and reconnect). On SIGTERM the front-ends drain and finish their requests
+within the grace time, then the engine stops, and the supervisor exits 0. It imports neither torch nor the web
+stack: it only starts, watches and stops."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def serve(settings: Settings) -> None:
     rundir = Path(tempfile.mkdtemp(prefix="smallstate-"))
     try:
         (rundir / "metrics").mkdir()
-        write_run(rundir, settings, frontends)
+        write_run(rundir, settings.replace(port=listener.getsockname()[1]), frontends)
         board = Board(rundir / BOARD, frontends, create=True)
         Supervisor(settings, rundir, board, listener, frontends).run()
     finally:
@@ -107,20 +108,28 @@ def _check_files(settings: Settings) -> None:
             raise ConfigError(f"--{key} {path}: cannot be read ({e.strerror or e})") from None
 
 
-def _listen(settings: Settings) -> socket.socket:
-    """The one listening socket every front-end accepts on (inherited: the kernel hands each connection to one)."""
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket on `host`:`port` in the port's SO_REUSEPORT group: each front-end listens on one of its own, and
+    the kernel spreads new connections over them (one shared socket would hand a burst of them all to whichever
+    process woke first). ConfigError when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((settings.host, settings.port))
+        sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ConfigError(f"--port {settings.port} on {settings.host}: cannot listen there "
-                          f"({e.strerror or e})") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
+        raise ConfigError(f"--port {port} on {host}: cannot listen there ({e.strerror or e})") from None
+    if listen:
+        sock.listen(2048)
     return sock
+
+
+def _listen(settings: Settings) -> socket.socket:
+    """The port held for the service's lifetime (bound, not listening: it takes no connections itself), so that it
+    is known to be free before anything starts, and a port 0 becomes a real one for the front-ends."""
+    return listening_socket(settings.host, settings.port, listen=False)
 
 
 class Supervisor:
@@ -162,8 +171,7 @@ class Supervisor:
         return self._spawn("smallstate_lm.service.engine", str(self.rundir))
 
     def _start_frontend(self, i: int) -> subprocess.Popen:
-        fd = self.listener.fileno()
-        return self._spawn("smallstate_lm.service.frontend", str(self.rundir), str(i), str(fd), pass_fds=(fd,))
+        return self._spawn("smallstate_lm.service.frontend", str(self.rundir), str(i))
 
     def _engine_ready(self) -> bool:
         """Wait for the first engine: True once ready; ConfigError when it refused its model; False on a signal."""
@@ -200,7 +208,7 @@ class Supervisor:
                     raise ConfigError(f"front-end {i} refused to start (see the log above)")
                 log.error("front-end %d (pid %d) exited with status %s; starting it again", i, proc.pid, code)
                 self.board.frontend_ready(i, False)
-                self.board.set_arriving(i, 0)
+                self.board.settle(i)
                 self._forget(proc.pid)
                 time.sleep(self.s.restart_delay_s)
                 self.frontends[i] = self._start_frontend(i)

@@ -14,7 +14,14 @@ def main() -> int:
     tune_allocator()
     from .engine import Engine
 
-    return asyncio.run(Engine(settings, sys.argv[1], board).run())
+    try:  # the loop uvicorn runs the front-ends on, where installed
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(Engine(settings, sys.argv[1], board).run())
 
 
 if __name__ == "__main__":

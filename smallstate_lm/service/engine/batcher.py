@@ -1,8 +1,8 @@
 """Dynamic batching: concurrent requests share forward passes on one worker thread, in slices.
 
 Requests are queued on the event loop. A collector task takes the oldest request and
-waits for company while other requests are already on their way in (`arriving()`:
-received by the server, not yet queued), for at most `max_wait_s` after the oldest was
+waits for company while the requests already on their way in when it started waiting
+(`arrivals`: received by a front-end, not yet handed on) come in, for at most `max_wait_s` after the oldest was
 queued and until the queued cost reaches the token budget; then it hands everything
 that fits the budget to ONE worker thread (a single-thread executor: the only thread
 that touches the model and the GPU). A lone request is therefore not delayed, and
@@ -31,7 +31,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from ..errors import Unavailable
 from ..metrics import Metrics
@@ -74,6 +74,15 @@ def drop_expired(job: Job, stage: str, metrics: Metrics | None) -> bool:
         metrics.work_cancelled.labels(stage).inc()
     job.dropped = True
     return True
+
+
+class Arrivals(Protocol):
+    """Requests on their way in, counted where they arrive: received so far, and handed on (queued here, or
+    answered before that) so far."""
+
+    def received(self) -> int: ...
+
+    def handed(self) -> int: ...
 
 
 # work(jobs, deliver): the batch's steps; calls deliver(job, result or exception) for each job, from the worker,
@@ -126,11 +135,11 @@ class BatchLimits:
 
 class Batcher:
     def __init__(self, work: WorkFn, limits: BatchLimits = BatchLimits(), metrics: Metrics | None = None,
-                 arriving: Callable[[], int] | None = None, on_idle: Callable[[int], None] | None = None):
+                 arrivals: Arrivals | None = None, on_idle: Callable[[int], None] | None = None):
         self.work = work
         self.on_idle = on_idle  # called with the cost of the batches finished since the worker was last idle
         self._cost_since_idle = 0
-        self.arriving = arriving  # None: always wait max_wait_s for company
+        self.arrivals = arrivals  # None: always wait max_wait_s for company
         self.batching = limits.batching
         self.max_batch_cost = limits.max_batch_cost
         self.max_wait_s = limits.max_wait_s
@@ -286,8 +295,10 @@ class Batcher:
     async def _wait_for_company(self) -> None:
         # The oldest job's deadline, not the batch's: after a long batch the queue is served at once.
         deadline = self._queue[0].t_submit + self.max_wait_s
+        # the requests on their way in now: later ones do not hold this batch back
+        mark = self.arrivals.received() if self.arrivals is not None else None
         while (self._queue and self._queued_cost < self.max_batch_cost and not self._closing
-               and (self.arriving is None or self.arriving() > 0)):
+               and (mark is None or self.arrivals.handed() < mark)):
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return

@@ -65,7 +65,7 @@ class Engine:
                              max_wait_s=settings.max_wait_ms / 1000, max_queue=settings.max_queue,
                              slice_s=settings.slice_ms / 1000)
         self.batcher = Batcher(self.worker.run_batch, limits, metrics=self.metrics,
-                               arriving=board.arriving if settings.wait_for_arrivals else None, on_idle=self._idle)
+                               arrivals=board if settings.wait_for_arrivals else None, on_idle=self._idle)
         self.jobs: dict[tuple[bytes, int], Job] = {}  # (front-end socket, request id) -> its job, until answered
         self.stop_at = math.inf
         self.rss_base = 0

@@ -66,7 +66,7 @@ class ArrivalMiddleware:
             return await self.app(scope, receive, send)
         scope[ARRIVAL] = True
         scope[T0] = time.perf_counter()
-        self.svc.arriving += 1
+        self.svc.receive()
         try:
             await self.app(scope, receive, send)
         finally:

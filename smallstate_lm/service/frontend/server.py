@@ -1,5 +1,7 @@
-"""Running a front-end's app under uvicorn (`run_frontend`), on the listening socket the supervisor opened and
-shares among the front-ends, with what uvicorn lacks: a deadline on every request's head, a start-up that fails
+"""Running a front-end's app under uvicorn (`run_frontend`), on a socket of its own in the service's port's
+SO_REUSEPORT group (made here, not by uvicorn from an inherited fd, which it takes for a Unix socket: the event
+loop then never sets TCP_NODELAY on a connection, and Nagle's algorithm held each small response ~40 ms against
+the client's delayed ACK under load), with what uvicorn lacks: a deadline on every request's head, a start-up that fails
 cleanly when the model is refused, a drain period after SIGTERM and a shutdown in which every request in flight
 is answered."""
 
@@ -21,6 +23,7 @@ from ..board import Board
 from ..memory import tune_allocator
 from ..metrics import Metrics
 from ..settings import Settings
+from ..supervisor import listening_socket
 from .app import create_app
 from .errors import error_body
 from .state import Service
@@ -28,15 +31,17 @@ from .state import Service
 log = logging.getLogger("smallstate_lm.service")
 
 
-def run_frontend(settings: Settings, rundir: str, index: int, board: Board, fd: int) -> int:
-    """Serve front-end `index` on the listening socket `fd` until SIGTERM: /readyz turns 503 for `drain_seconds`,
+def run_frontend(settings: Settings, rundir: str, index: int, board: Board) -> int:
+    """Serve front-end `index` on the service's port (a socket of its own in the port's SO_REUSEPORT group) until
+    SIGTERM: /readyz turns 503 for `drain_seconds`,
     then the listener closes, in-flight requests finish or get 503 within `graceful_timeout_s`. Returns the exit
     status: 0, or 3 when its models failed to load."""
     tune_allocator()
     _read_bodies_whole(settings.max_body_bytes)
     app = create_app(settings, rundir, index, board)
     svc: Service = app.state.service
-    config = uvicorn.Config(app, fd=fd, log_level=settings.log_level, lifespan="on",
+    sock = listening_socket(settings.host, settings.port)
+    config = uvicorn.Config(app, log_level=settings.log_level, lifespan="on",
                             timeout_graceful_shutdown=settings.graceful_timeout_s,
                             http=_timed_head_protocol(settings.header_timeout_s, svc.metrics))
     config.load()
@@ -46,7 +51,7 @@ def run_frontend(settings: Settings, rundir: str, index: int, board: Board, fd: 
     # after a clean shutdown, so the handler it restores is a no-op.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except SystemExit:  # uvicorn's exit after a failed start-up
         if svc.failed is None:
             raise

@@ -27,7 +27,7 @@ from .submit import engine_submit
 from .work import Work
 
 log = logging.getLogger("smallstate_lm.service")
-ARRIVAL = "smallstate.arriving"  # scope key: the request is counted in Service.arriving
+ARRIVAL = "smallstate.arriving"  # scope key: the request is counted as on its way in (Service.receive)
 T0 = "smallstate.t0"  # scope key: when the request arrived (time.perf_counter); its deadline counts from it
 TIMEOUT_HEADER = "x-request-timeout"
 
@@ -43,7 +43,10 @@ class Service:
         self.models = Models(settings, self.metrics)
         self.board, self.index = board, index
         self.client = EngineClient(rundir, index, board, self._welcomed)
-        self._arriving = 0  # scoring requests received, not yet handed to the engine (see ArrivalMiddleware)
+        # scoring requests received, and handed on (to the engine, or answered before that), so far: on the board,
+        # where the engine's batcher sees who is on the way in (see ArrivalMiddleware); a restarted front-end
+        # goes on from its predecessor's counts
+        self._received, self._handed = board.counts(index)
         self.ready = False
         self.draining = False
         self.failed: str | None = None  # why the model may not serve, once known
@@ -52,12 +55,12 @@ class Service:
 
     @property
     def arriving(self) -> int:
-        return self._arriving
+        """Scoring requests received, not yet handed on."""
+        return self._received - self._handed
 
-    @arriving.setter
-    def arriving(self, n: int) -> None:
-        self._arriving = n
-        self.board.set_arriving(self.index, n)
+    def receive(self) -> None:
+        self._received += 1
+        self.board.set_counts(self.index, self._received, self._handed)
 
     @property
     def lattice_ratio(self) -> float:
@@ -109,7 +112,8 @@ class Service:
     def arrived(self, scope) -> None:
         """The request of `scope` stops counting as on its way in (once)."""
         if scope.pop(ARRIVAL, False):
-            self.arriving -= 1
+            self._handed += 1
+            self.board.set_counts(self.index, self._received, self._handed)
 
     def unavailable(self) -> Unavailable:
         """Why a scoring request cannot be served before the service is ready."""
@@ -156,8 +160,8 @@ class Service:
             raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
         deadline = request_deadline(request, timeout)
         msg = engine_submit(self.models, work, deadline - time.perf_counter(), timeout)
-        self.arrived(request.scope)
         future = await self.client.submit(msg)
+        self.arrived(request.scope)  # once sent: the engine's batcher may stop waiting for it only then
         gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
             done = await self.wait_any({future, gone}, deadline)
