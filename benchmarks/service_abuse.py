@@ -330,11 +330,22 @@ async def shutdown_run(server: "ServerProcess", in_flight: list[tuple[str, bytes
 
 def server_rss_mib(pid: int, field: str = "VmRSS") -> float:
     """The server's resident memory (`VmRSS`), or a part of it: `RssAnon` (its own heap) or `RssFile` (pages of
-    mapped files, such as the n-gram's, which the kernel may drop)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    mapped files, such as the n-gram's, which the kernel may drop); summed over every process of it (`pid` and
+    its descendants: supervisor, engine, front-ends)."""
+    total, todo, seen = 0.0, [pid], False
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    total += int(line.split()[1]) / 1024
+                    seen = True
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += map(int, (task / "children").read_text().split())
+        except OSError:  # gone meanwhile
+            if p == pid:
+                raise
+    return total if seen else float("nan")
 
 
 def metric(text: str, name: str, **labels) -> float:
@@ -466,6 +477,7 @@ def abuse_report(args, settings, base, out, stalls, counts, rss, seconds, wedged
     slowest_refusal = {k: 1000 * max(v, default=math.nan) for k, v in refusals.items()}
     refused = [t for _, t, s in heavy_rows if s in REFUSED]
     refused_max = 1000 * max(refused) if refused else float("nan")
+    refused_p99 = 1000 * sorted(refused)[min(len(refused) - 1, int(0.99 * len(refused)))] if refused else float("nan")
     ok = [t for _, t, s in heavy_rows if s == 200]
     # the worker is free after a stopped request when nothing else keeps it busy: judged on the idle phase (in the
     # mix a probe queues like any small request; those are shown, not judged)
@@ -498,8 +510,9 @@ def abuse_report(args, settings, base, out, stalls, counts, rss, seconds, wedged
         ("5xx other than 503 (a 504 counts unless the request asked for a 2 s deadline)", n_5xx == 0,
          f"{n_5xx}" + (f" ({', '.join(f'{k} {s}: {n}' for (k, s), n in sorted(bad_5xx.items()))})" if bad_5xx else "")
          + f"; {asked_504} x 504 to requests that sent X-Request-Timeout 2"),
-        ("refused heavy/wedge requests (4xx, 503) answered within 100 ms", refused_max < 100 if refused else None,
-         f"max {refused_max:.0f} ms over {len(refused)}"),
+        ("refused heavy/wedge requests (4xx, 503): p99 under 100 ms, max under 200 ms",
+         refused_p99 < 100 and refused_max < 200 if refused else None,
+         f"p99 {refused_p99:.0f} ms, max {refused_max:.0f} ms over {len(refused)}"),
         (f"the request after a 504 or hang-up (idle phase) answered within 2 x slice_ms = {2 * slice_ms:g} ms",
          probe_max <= 2 * slice_ms if probes else None,
          f"max {probe_max:.0f} ms, p50 {percentile(probes, 0.5):.0f} ms over {len(probes)}"),
@@ -542,8 +555,8 @@ def abuse_report(args, settings, base, out, stalls, counts, rss, seconds, wedged
         f"| small requests' p99, alone / with the heavy ones | {p99_alone:.0f} ms / {p99_mixed:.0f} ms "
         f"({ratio:.2f}x) | within 3x |",
         f"| heavy requests' p50 / p99 | {percentile(heavy_ms, 0.5):.0f} ms / {percentile(heavy_ms, 0.99):.0f} ms | |",
-        f"| heavy and wedge requests refused (4xx, 503): slowest | {refused_max:.0f} ms of {len(refused)} | "
-        "under 100 ms |",
+        f"| heavy and wedge requests refused (4xx, 503): p99 / slowest | {refused_p99:.0f} / {refused_max:.0f} ms of "
+        f"{len(refused)} | under 100 / 200 ms |",
         "| of them, the near-limit packs' refusals, p50 / p90 / max: " + ", ".join(
             f"{k.removeprefix('heavy ')} {percentile(v, 0.5):.0f} / {percentile(v, 0.9):.0f} / "
             f"{slowest_refusal[k]:.0f} ms" for k, v in refusals.items()) + " | |",

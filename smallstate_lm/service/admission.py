@@ -34,3 +34,22 @@ def check_backlog(backlog: float | None, own: float, remaining: float, what: str
         raise Unavailable(f"overloaded: the work queued ahead needs about {backlog:.1f} s and {what}, more than its "
                           f"deadline allows ({remaining:.1f} s left); retry later",
                           retry_after=max(1, math.ceil(backlog)))
+
+
+def expected_seconds(seconds: float, lattice_seconds: float, lattice_ratio: float) -> float:
+    """What the worker is expected to spend on work predicted to take `seconds`, `lattice_seconds` of them its
+    lattices' upper bound: hypothesis lists as predicted, lattices at the share of their upper bound that this
+    server's lattices have taken so far (`lattice_ratio`)."""
+    return seconds - lattice_seconds + lattice_ratio * lattice_seconds
+
+
+def admit(seconds: float, lattice_seconds: float, remaining: float, timeout: float, field: str, slice_s: float,
+          backlog: float | None, lattice_ratio: float) -> None:
+    """The refusals of a request predicted to take `seconds` (`lattice_seconds` of them its lattices' upper bound)
+    with `remaining` seconds of its deadline of `timeout` left, behind `backlog` (`check_backlog`): 413 when its
+    lists alone cannot meet the deadline, 503 when a long request would wait too long behind the long work. The
+    engine decides with its own backlog; a front-end asks first with the one on the board, so that a request
+    refused anyway is not sent."""
+    check_lists(seconds - lattice_seconds, remaining, timeout, field)
+    if seconds > slice_s:
+        check_backlog(backlog, expected_seconds(seconds, lattice_seconds, lattice_ratio), remaining)

@@ -24,7 +24,7 @@ from smallstate_lm.errors import SmallstateError
 from smallstate_lm.rescoring.formats.lattice_io import read_fst_text
 from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
-from ..admission import check_backlog, check_lists
+from ..admission import admit
 from ..board import Board
 from ..errors import ServiceError, Unavailable
 from ..memory import release_memory, rss_bytes
@@ -51,6 +51,7 @@ log = logging.getLogger("smallstate_lm.service")
 # Freed memory goes back to the OS when the worker goes idle with the process this much larger than after
 # warm-up: the allocator keeps what a burst freed otherwise.
 RELEASE_GROWTH = 64 * 2**20
+ENGINE_NICE = int(os.environ.get("SMALLSTATE_ENGINE_NICE", "5"))  # experiment knob
 BOARD_S = 0.005  # how often the backlog on the board is brought up to date
 FAILED = "engine.failed"  # in the run directory: why the model was refused (read by the supervisor)
 
@@ -86,6 +87,10 @@ class Engine:
             (self.rundir / FAILED).write_text(str(e))  # the supervisor says it, once
             return 3
         await self._warm_up()
+        if self.models.device.type == "cpu" and ENGINE_NICE:
+            # On a CPU the model and the front-ends share the cores: a request's own work (its refusal, a small
+            # answer) goes first, the model takes what is left. On a GPU the engine only feeds the device.
+            os.nice(ENGINE_NICE)
         ctx = zmq.asyncio.Context()
         self._sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -167,8 +172,8 @@ class Engine:
         try:
             if self.stop_at < math.inf:
                 raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
-            check_lists(msg.seconds - msg.lattice_seconds, msg.remaining, msg.timeout, msg.field)
-            self.check_backlog(msg.seconds, msg.lattice_seconds, msg.remaining)
+            admit(msg.seconds, msg.lattice_seconds, msg.remaining, msg.timeout, msg.field, self.batcher.slice_s,
+                  self._long_backlog(), self.worker.lattice_ratio)
             deadline = time.perf_counter() + msg.remaining
             # its class by what it may take (a lattice's upper bound), its place in the backlog by what it should
             job = Job(msg.cost, EngineWork(msg), deadline=min(deadline, self.stop_at),
@@ -193,13 +198,6 @@ class Engine:
         self._send(who, result)
 
     # ---- admission ------------------------------------------------------------------------------
-    def check_backlog(self, seconds: float, lattice_seconds: float, remaining: float) -> None:
-        """503 for a long request when the long work queued ahead and its own expected seconds would take it past
-        what is left of its deadline (`admission.check_backlog`), with this engine's backlog."""
-        if seconds > self.batcher.slice_s:
-            own = self.worker.expected_seconds(seconds, lattice_seconds)
-            check_backlog(self._long_backlog(), own, remaining)
-
     def _long_backlog(self) -> float | None:
         backlog, slice_s = self.batcher.backlog(long=True), self.batcher.slice_s
         return backlog if backlog > slice_s or self.batcher.backlog(long=False) > slice_s else None

@@ -21,6 +21,7 @@ from smallstate_lm.errors import SmallstateError
 from smallstate_lm.rescoring.expand.expanded import ExpandedLattice
 from smallstate_lm.scoring.trie import sorted_groups
 
+from ..admission import expected_seconds
 from ..cost import lattices_together
 from ..errors import DeadlineExceeded, ServiceError, Unavailable
 from ..messages import LatticeJob, ListJob, Scored, Submit
@@ -63,7 +64,7 @@ class Worker:
         """What the worker is expected to spend on work predicted to take `seconds`, `lattice_seconds` of them its
         lattices' upper bound: hypothesis lists as predicted, lattices at the share of their upper bound that this
         server's lattices have taken so far."""
-        return seconds - lattice_seconds + self.lattice_ratio * lattice_seconds
+        return expected_seconds(seconds, lattice_seconds, self.lattice_ratio)
 
     def run_batch(self, jobs: list[Job], deliver: Deliver) -> Iterator[None]:
         """Score every job (payload: EngineWork) of a batch together, a step of about `step_s` predicted

@@ -123,25 +123,37 @@ def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
         early.so_far(floor)
     sizes = trie_sizes_of(models, seqs_of)
     if lens_of:
-        early.lists(lists_seconds(models, seqs_of, lens_of, sizes))
+        # the limits `_check_cost` holds the work to, from the same numbers, before a hypothesis is built
+        if None not in sizes:
+            _check_nodes(sum(size.total_nodes for size in sizes), "utterances", s)
+        seconds = lists_seconds(models, seqs_of, lens_of, sizes)
+        _check_seconds(seconds, "utterances", s)
+        early.lists(seconds)
     return floor, sizes, lens_of
 
 
 def _check_cost(work: Work, field: str, s: Settings) -> None:
     """The request's estimated cost against the limits, before any work: the neural LM tokens its
     hypotheses need computed, and the seconds and bytes the cost model predicts."""
-    if work.tokens_computed > s.max_trie_nodes:
-        raise CostLimitError(f"the request's hypotheses need {work.tokens_computed} neural LM tokens computed "
-                             f"(unique prefixes), more than the limit of {s.max_trie_nodes} (max_trie_nodes)",
-                             field, s.max_trie_nodes)
-    if work.seconds > s.max_request_seconds:
-        raise CostLimitError(f"the request would take up to {work.seconds:.1f} s on this server (predicted by its "
-                             f"cost model), more than the limit of {s.max_request_seconds:g} s (max_request_seconds)",
-                             field, s.max_request_seconds)
+    _check_nodes(work.tokens_computed, field, s)
+    _check_seconds(work.seconds, field, s)
     if work.nbytes > s.max_request_bytes:
         raise CostLimitError(f"the request would need up to {work.nbytes / 2**20:.0f} MiB of working memory "
                              f"(predicted by the cost model), more than the limit of "
                              f"{s.max_request_bytes / 2**20:.0f} MiB (max_request_bytes)", field, s.max_request_bytes)
+
+
+def _check_nodes(nodes: int, field: str, s: Settings) -> None:
+    if nodes > s.max_trie_nodes:
+        raise CostLimitError(f"the request's hypotheses need {nodes} neural LM tokens computed (unique prefixes), "
+                             f"more than the limit of {s.max_trie_nodes} (max_trie_nodes)", field, s.max_trie_nodes)
+
+
+def _check_seconds(seconds: float, field: str, s: Settings) -> None:
+    if seconds > s.max_request_seconds:
+        raise CostLimitError(f"the request would take up to {seconds:.1f} s on this server (predicted by its "
+                             f"cost model), more than the limit of {s.max_request_seconds:g} s (max_request_seconds)",
+                             field, s.max_request_seconds)
 
 
 def lattice_cost(lat: Lattice, max_per_state: int) -> int:

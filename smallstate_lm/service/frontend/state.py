@@ -15,7 +15,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from smallstate_lm.errors import SmallstateError
 
-from ..admission import check_backlog, check_lists
+from ..admission import admit, check_backlog, check_lists
 from ..board import Board
 from ..errors import ClientGone, DeadlineExceeded, ServiceError, Unavailable
 from ..messages import Refused, Scored
@@ -159,7 +159,12 @@ class Service:
         if self.stop_at < math.inf:
             raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
         deadline = request_deadline(request, timeout)
-        msg = engine_submit(self.models, work, deadline - time.perf_counter(), timeout)
+        remaining = deadline - time.perf_counter()
+        field = "sentences" if work.kind == "score" else "utterances"
+        # the engine's admission, asked first with the backlog on the board: a request refused anyway is not sent
+        admit(work.seconds, work.lattice_seconds, remaining, timeout, field, self.settings.slice_ms / 1000,
+              self.board.long_backlog(), self.lattice_ratio)
+        msg = engine_submit(self.models, work, remaining, timeout)
         future = await self.client.submit(msg)
         self.arrived(request.scope)  # once sent: the engine's batcher may stop waiting for it only then
         gone = asyncio.ensure_future(_disconnected(request.receive))
