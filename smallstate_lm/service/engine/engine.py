@@ -20,6 +20,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from smallstate_lm.device import pick_device
 from smallstate_lm.errors import SmallstateError
 from smallstate_lm.rescoring.formats.lattice_io import read_fst_text
 from smallstate_lm.rescoring.lattices.lattice import SymbolTable
@@ -51,7 +52,7 @@ log = logging.getLogger("smallstate_lm.service")
 # Freed memory goes back to the OS when the worker goes idle with the process this much larger than after
 # warm-up: the allocator keeps what a burst freed otherwise.
 RELEASE_GROWTH = 64 * 2**20
-ENGINE_NICE = int(os.environ.get("SMALLSTATE_ENGINE_NICE", "5"))  # experiment knob
+ENGINE_NICE = 10
 BOARD_S = 0.005  # how often the backlog on the board is brought up to date
 FAILED = "engine.failed"  # in the run directory: why the model was refused (read by the supervisor)
 
@@ -81,16 +82,17 @@ class Engine:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         t0 = time.perf_counter()
         try:
+            if pick_device(self.s.device).type == "cpu":
+                # On a CPU the model and the front-ends share the cores: a request's own work (its refusal, a small
+                # answer) goes first, the model takes what is left; on a GPU the engine only feeds the device.
+                # Before any thread starts: Linux gives each thread its own niceness, inherited by those it starts.
+                os.nice(ENGINE_NICE)
             # The worker thread loads the model: it is the thread that will use it (and the GPU).
             await self.batcher.call(self.models.load)
         except SmallstateError as e:  # a bad checkpoint, or finite weights whose scores are not (self-check)
             (self.rundir / FAILED).write_text(str(e))  # the supervisor says it, once
             return 3
         await self._warm_up()
-        if self.models.device.type == "cpu" and ENGINE_NICE:
-            # On a CPU the model and the front-ends share the cores: a request's own work (its refusal, a small
-            # answer) goes first, the model takes what is left. On a GPU the engine only feeds the device.
-            os.nice(ENGINE_NICE)
         ctx = zmq.asyncio.Context()
         self._sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
