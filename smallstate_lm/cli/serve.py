@@ -25,7 +25,7 @@ def serve(
     batching: Optional[bool] = typer.Option(None, "--batching/--no-batching", help="Dynamic batching (default on)."),
     frontends: Optional[int] = typer.Option(None, "--frontends", help="Front-end processes for the requests "
                                             "(env SMALLSTATE_FRONTENDS; default: the CPUs this process may use, "
-                                            "less one for the engine, at least 2)."),
+                                            "less one for the engine, at least 1)."),
     set_: List[str] = typer.Option([], "--set", help="Any other setting key=value, e.g. --set max_wait_ms=10 "
                                    "(see docs/service.md; env SMALLSTATE_<KEY> works too)."),
 ):

@@ -84,7 +84,7 @@ class Settings:
     slice_ms: float = 50.0
     # ---- processes ------------------------------------------------------------------------
     # Front-end processes (HTTP, preparing work, ranking, answers); None: one per CPU this process may use
-    # (affinity and cgroup quota), less one for the engine, at least 2 (docs/service.md, "Processes").
+    # (affinity and cgroup quota), less one for the engine, at least 1 (docs/service.md, "Processes").
     frontends: int | None = None
     # how long the supervisor waits for a dead front-end's replacement, or a dead engine's, to start again
     restart_delay_s: float = 0.2

@@ -51,9 +51,9 @@ def available_cpus() -> int:
 
 
 def default_frontends(cpus: int | None = None) -> int:
-    """One front-end per CPU the service may use, less one for the engine, and at least two: a front-end busy
-    preparing a large body then never holds every request (measured in docs/service.md, "Processes")."""
-    return max(2, (cpus or available_cpus()) - 1)
+    """One front-end per CPU the service may use, less one for the engine; at least one (measured in
+    docs/service.md, "Processes")."""
+    return max(1, (cpus or available_cpus()) - 1)
 
 
 def write_run(rundir: Path, settings: Settings, frontends: int) -> None:

@@ -16,9 +16,10 @@ from .results import result
 from .state import Service
 
 INLINE_WORDS = 1000  # words (roughly) a request may have to be prepared on the event loop
-# Where other front-ends serve beside this one, a valid body up to this size is decoded and prepared on the event
-# loop (~50 ms for 2 MB of lists or lattices): in a thread it shares the interpreter with the loop turn by turn,
-# and a near-limit request refused anyway took twice as long or more under load (docs/service.md, "Processes").
+# A valid body up to this size is decoded and prepared on the event loop (~50 ms for 2 MB of lists or lattices):
+# in a thread it shares the interpreter with the loop turn by turn, and a near-limit request refused anyway took
+# twice as long or more under load (docs/service.md, "Processes"). Larger ones, and any pydantic must word, in a
+# thread.
 PREPARE_IN_PLACE_BYTES = 4 * 2**20
 INLINE_HYPOTHESES = 100  # and hypotheses its answer may have to be built there too (~0.5 ms)
 
@@ -35,7 +36,7 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
         timeout = svc.timeout(request)
         raw = await read_raw(request)
-        size, in_place = len(raw), svc.board.frontends > 1 and len(raw) <= PREPARE_IN_PLACE_BYTES
+        size, in_place = len(raw), len(raw) <= PREPARE_IN_PLACE_BYTES
         body = await parse_body(raw, RescoreRequest, in_place)
         lattice = any(u.lattice is not None for u in body.utterances)
         words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
