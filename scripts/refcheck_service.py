@@ -3,6 +3,10 @@ worktree` of the revision before a change) load the same models on the CPU in fp
 a time (so each is a batch of its own on both), and every answer must be the same bytes apart from `usage` (its
 timings and batch sizes are the server's, not the answer's).
 
+The neural LM's numbers depend on how a request is cut into scorer calls, which the cost model sizes from timings
+taken at start-up (two servers of one tree differ where those differ): compare with `--set slice_ms=60000`, or
+with the n-gram alone (no `--lm`).
+
 Requests: every utterance of the dev n-best lists (both voices; one utterance per request, every hypothesis) and
 every bundled lattice (`lattices/*.fst` as OpenFST text with the decoder's symbol table), plus one request of
 sentences to /score.
@@ -31,9 +35,13 @@ USAGE = re.compile(rb',"usage":\{[^{}]*\}')
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", required=True, type=Path, help="the other source tree")
-    ap.add_argument("--lm", required=True)
+    ap.add_argument("--this", type=Path, default=ROOT, help="the tree checked (default: this one)")
+    ap.add_argument("--lm", default=None)
     ap.add_argument("--ngram", required=True)
     ap.add_argument("--limit", type=int, default=0, help="n-best utterances per voice (0: all)")
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
+                    help="a server setting for both (e.g. slice_ms=60000: each list and lattice level scored whole, "
+                    "so that no grain sized by the timed cost model changes the batches)")
     return ap.parse_args()
 
 
@@ -47,7 +55,9 @@ def start(tree: Path, args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "smallstate_lm.cli", "serve", "--port", str(port), "--device", "cpu",
            "--precision", "fp32", "--threads", "1", "--set", "log_level=warning",
-           "--lm", str(Path(args.lm).resolve()), "--ngram", str(Path(args.ngram).resolve())]
+           "--ngram", str(Path(args.ngram).resolve())] + (["--lm", str(Path(args.lm).resolve())] if args.lm else [])
+    for s in args.settings:
+        cmd += ["--set", s]
     proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -97,7 +107,7 @@ def _words(d: Path) -> dict[str, int]:
 def main() -> None:
     args = parse_args()
     reqs = requests(args.limit)
-    servers = [start(ROOT, args), start(args.tree.resolve(), args)]
+    servers = [start(args.this.resolve(), args), start(args.tree.resolve(), args)]
     differ, t0 = [], time.perf_counter()
     try:
         with httpx.Client(timeout=300) as client:
