@@ -103,6 +103,26 @@ def test_rescoring_and_the_service_never_import_the_training_side():
     assert not bad, "\n".join(bad)
 
 
+def test_the_services_processes_meet_only_in_what_they_share():
+    """A front-end never imports the engine's modules, nor the engine a front-end's: what both need (messages,
+    board, admission, cost model, settings, ...) lives at the top of service/, and the supervisor imports
+    neither (it starts them as processes)."""
+    sides = {"frontend": "engine", "engine": "frontend"}
+    bad = []
+    for mod, deps in _graph().items():
+        parts = mod.split(".")
+        if parts[:2] != ["smallstate_lm", "service"] or len(parts) < 3:
+            continue
+        side = parts[2]
+        for d in deps:
+            dp = d.split(".")
+            if dp[:2] != ["smallstate_lm", "service"] or len(dp) < 3:
+                continue
+            if (side in sides and dp[2] == sides[side]) or (side == "supervisor" and dp[2] in sides):
+                bad.append(f"{mod} -> {d}")
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycle():
     graph = _graph()
     index, low, stack, on_stack, cycles = {}, {}, [], set(), []

@@ -294,7 +294,10 @@ def test_large_bodies_are_parsed_and_encoded_off_the_event_loop(tiny_lm_dir, ken
     rundir, board, _ = engine.__enter__()
     request.addfinalizer(lambda: engine.__exit__(None, None, None))
     app = create_app(settings, str(rundir), 0, board)  # a front-end in this process, where its threads are seen
-    body = big_request(2.0)
+    from smallstate_lm.service.frontend.routes import PREPARE_IN_PLACE_BYTES
+
+    body = big_request(1.25 * PREPARE_IN_PLACE_BYTES / 2**20)  # one up to that size is prepared in place, by design
+    assert len(body) > PREPARE_IN_PLACE_BYTES
     calls: list[tuple[str, int, threading.Thread]] = []
     loads, encode = json.loads, responses._json
 

@@ -1,4 +1,4 @@
-"""The service's lattice rescorer and lattice preparation, without HTTP (service/model.py, service/work.py):
+"""The service's lattice rescorer and lattice preparation, without HTTP (service/model.py, service/frontend/work.py):
 the rescorer's tables outlive a batch without changing an answer under any weights, and a request's lattice is
 prepared once on its way through the expansion."""
 
