@@ -62,10 +62,9 @@ class EngineClient:
             try:
                 frames = await asyncio.wait_for(sock.recv_multipart(copy=False), HELLO_S)
                 welcome = from_frames([f.buffer for f in frames])
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # starting or going: the board says which when it is read again
                 sock.close()
                 os.close(pidfd)
-                self._lost_pid = pid
                 continue
             self.sock, self._pidfd, self.welcome = sock, pidfd, welcome
             self.on_welcome(welcome)
