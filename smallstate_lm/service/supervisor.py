@@ -30,6 +30,7 @@ from .settings import Settings
 log = logging.getLogger("smallstate_lm.service")
 POLL_S = 0.05  # how often the supervisor looks at its processes
 KILL_MARGIN_S = 2.0  # past the grace time, what a process still running gets before SIGKILL
+MAX_DELAY_S = 10.0  # the longest wait before an engine that keeps dying at start-up is started again
 FAILED = "engine.failed"  # the engine's reason for refusing its model (engine/engine.py writes it)
 SETTINGS = "settings.json"
 BOARD = "board"
@@ -190,16 +191,22 @@ class Supervisor:
 
     # ---- watching ---------------------------------------------------------------------------------
     def _watch(self) -> None:
+        failures = 0  # engines in a row that died before they were ready: each waits twice as long, up to MAX_DELAY_S
         while self.signalled is None:
             time.sleep(POLL_S)
+            if self.board.engine_ready:
+                failures = 0
             code = self.engine.poll()
             if code is not None and self.signalled is None:
                 failed = self.rundir / FAILED
                 why = f": the model failed to load or its self-check: {failed.read_text()}" if failed.exists() else ""
-                log.error("the engine (pid %d) exited with status %s%s; starting it again", self.engine.pid, code, why)
+                delay = min(MAX_DELAY_S, self.s.restart_delay_s * 2**failures)
+                log.error("the engine (pid %d) exited with status %s%s; starting it again in %.1f s", self.engine.pid,
+                          code, why, delay)
+                failures += 1
                 self.board.engine(0, False)
                 self._forget(self.engine.pid)
-                time.sleep(self.s.restart_delay_s)
+                time.sleep(delay)
                 self.engine = self._start_engine()
             for i, proc in enumerate(self.frontends):
                 code = proc.poll()
