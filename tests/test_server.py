@@ -49,12 +49,12 @@ def _free_port() -> int:
 class Server:
     """`smallstate-lm serve` in a subprocess on a free loopback port, one torch thread."""
 
-    def __init__(self, lm: Path, ngram: Path | None, *settings: str, log: Path, device: str = "cpu"):
+    def __init__(self, lm: Path | None, ngram: Path | None, *settings: str, log: Path, device: str = "cpu"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, SMALLSTATE_THREADS="1", SMALLSTATE_LOG_LEVEL="warning")
-        args = [sys.executable, "-m", "smallstate_lm.cli", "serve", "--lm", str(lm), "--port", str(self.port),
-                "--device", device] + (["--ngram", str(ngram)] if ngram else [])
+        args = [sys.executable, "-m", "smallstate_lm.cli", "serve", "--port", str(self.port),
+                "--device", device] + (["--lm", str(lm)] if lm else []) + (["--ngram", str(ngram)] if ngram else [])
         for s in settings:
             args += ["--set", s]
         self.log = log

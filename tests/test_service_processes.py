@@ -94,3 +94,22 @@ def test_metrics_add_up_every_process(tiny_lm_dir, kenlm_model, tmp_path):
             assert _metric(text, "smallstate_ready") == 1
     finally:
         assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_a_second_service_on_the_same_port_is_refused(kenlm_model, tmp_path):
+    """Front-ends share their port by SO_REUSEPORT: a second service must not join them unseen."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    srv = Server(None, kenlm_model, "drain_seconds=0", log=tmp_path / "server.log")
+    try:
+        second = subprocess.run([sys.executable, "-m", "smallstate_lm.cli", "serve", "--ngram", str(kenlm_model),
+                                 "--port", str(srv.port), "--device", "cpu"], capture_output=True, text=True,
+                                timeout=120, cwd=REPO)
+        assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr
+        assert f"--port {srv.port}" in second.stderr and "cannot listen there" in second.stderr, second.stderr
+        assert post(srv, "/score", {"sentences": ["the lord"]}).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()

@@ -130,8 +130,18 @@ def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket
 
 def _listen(settings: Settings) -> socket.socket:
     """The port held for the service's lifetime (bound, not listening: it takes no connections itself), so that it
-    is known to be free before anything starts, and a port 0 becomes a real one for the front-ends."""
-    return listening_socket(settings.host, settings.port, listen=False)
+    is known to be free before anything starts, and a port 0 becomes a real one for the front-ends. Probed first
+    without SO_REUSEPORT: another service's front-ends on that port (which would share it with ours) hold it."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as e:
+            raise ConfigError(f"--port {settings.port} on {settings.host}: cannot listen there "
+                              f"({e.strerror or e})") from None
+        port = probe.getsockname()[1]
+    return listening_socket(settings.host, port, listen=False)
 
 
 class Supervisor:
