@@ -204,7 +204,7 @@ def test_running_out_of_memory_answers_503_and_the_worker_goes_on(tiny_lm_dir, t
         engine = srv.engine_pid()  # the process that holds the model and expands the lattice
         size = next(int(ln.split()[1]) * 1024 for ln in open(f"/proc/{engine}/status")
                     if ln.startswith("VmSize:"))
-        resource.prlimit(engine, resource.RLIMIT_AS, (size + 250 * 2**20,) * 2)
+        resource.prlimit(engine, resource.RLIMIT_AS, (size + 150 * 2**20,) * 2)
         r = post(srv, "/rescore", fan_lattice(64, 2000))
         body = _check(r, 503)
         assert "memory" in body["detail"], body
