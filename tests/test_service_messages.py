@@ -48,7 +48,7 @@ def test_small_arrays_ride_in_the_pickle_and_large_ones_as_frames_of_their_own()
     for a, b in zip(msg.lists, back.lists):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         assert a.tokens.dtype == b.tokens.dtype
-    assert back.lists[0].sequences() == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    assert back.lists[0].sequences == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]
 
 
 def test_a_lattice_and_its_expansion_cross_whole(kenlm_model):
@@ -96,7 +96,7 @@ def test_lists_become_the_neural_lms_own_token_ids(tiny_lm_dir, kenlm_model):
              nbest_item(Utterance("v", [Hypothesis(words=["unto", "them"], am=-2.0)]), [])]
     work = make_work(models, Work("rescore", models.weights, items, ["utterances[0]", "utterances[1]"]))
     msg = engine_submit(models, work, 5.0, 30.0)
-    assert [job.sequences() for job in msg.lists] == [
+    assert [job.sequences for job in msg.lists] == [
         [models.neural.encode(["in", "the"] + h) for h in hyps], [models.neural.encode(["unto", "them"])]]
     assert msg.cost == work.cost and msg.seconds == work.seconds and msg.remaining == 5.0
     assert [job.tree for job in msg.lists] == [it.tree for it in items]

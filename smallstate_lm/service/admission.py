@@ -36,6 +36,12 @@ def check_backlog(backlog: float | None, own: float, remaining: float, what: str
                           retry_after=max(1, math.ceil(backlog)))
 
 
+def long_backlog(long: float, small: float, slice_s: float) -> float | None:
+    """The long work (`long` worker seconds queued and started) a long request queues behind while the worker is
+    busy (either class's work passes one slice); None while it is not (a long request is let in)."""
+    return long if long > slice_s or small > slice_s else None
+
+
 def expected_seconds(seconds: float, lattice_seconds: float, lattice_ratio: float) -> float:
     """What the worker is expected to spend on work predicted to take `seconds`, `lattice_seconds` of them its
     lattices' upper bound: hypothesis lists as predicted, lattices at the share of their upper bound that this

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .admission import long_backlog
+
 ENGINE_PID, ENGINE_READY, LONG_BACKLOG, SHORT_BACKLOG, SLICE_S = range(5)
 HEAD = 8  # slots before the front-ends' (ready, received, handed on)
 PER = 3
@@ -40,9 +42,8 @@ class Board:
 
     def long_backlog(self) -> float | None:
         """The engine's long work queued and started, in worker seconds, while it is busy (what a long request
-        queues behind); None while it is not (`Service.long_backlog` of one process, read from here)."""
-        long, short, slice_s = float(self.a[LONG_BACKLOG]), float(self.a[SHORT_BACKLOG]), float(self.a[SLICE_S])
-        return long if long > slice_s or short > slice_s else None
+        queues behind); None while it is not (`admission.long_backlog`, from the engine's last numbers)."""
+        return long_backlog(float(self.a[LONG_BACKLOG]), float(self.a[SHORT_BACKLOG]), float(self.a[SLICE_S]))
 
     # ---- the front-ends' slots ------------------------------------------------------------------
     def frontend_ready(self, i: int, ready: bool) -> None:

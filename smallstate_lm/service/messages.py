@@ -14,6 +14,7 @@ benchmarks/bench_messages.py.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,8 +88,9 @@ class ListJob:
     depth: int  # tokens of its longest hypothesis
     tree: TreeSize | None = None  # its trie's size, when prefixes are shared
 
+    @functools.cached_property
     def sequences(self) -> list[list[int]]:
-        """The hypotheses as the scorer takes them."""
+        """The hypotheses as the scorer takes them (worked out once, where they are scored)."""
         return [s.tolist() for s in np.split(self.tokens, np.cumsum(self.lens)[:-1])]
 
 

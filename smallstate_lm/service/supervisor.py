@@ -110,14 +110,15 @@ def _check_files(settings: Settings) -> None:
             raise ConfigError(f"--{key} {path}: cannot be read ({e.strerror or e})") from None
 
 
-def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket:
-    """A TCP socket on `host`:`port` in the port's SO_REUSEPORT group: each front-end listens on one of its own, and
-    the kernel spreads new connections over them (one shared socket would hand a burst of them all to whichever
-    process woke first). ConfigError when the port is taken."""
+def listening_socket(host: str, port: int, listen: bool = True, reuse_port: bool = True) -> socket.socket:
+    """A TCP socket on `host`:`port` in the port's SO_REUSEPORT group (unless not `reuse_port`): each front-end
+    listens on one of its own, and the kernel spreads new connections over them (one shared socket would hand a
+    burst of them all to whichever process woke first). ConfigError when the port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -132,14 +133,7 @@ def _listen(settings: Settings) -> socket.socket:
     """The port held for the service's lifetime (bound, not listening: it takes no connections itself), so that it
     is known to be free before anything starts, and a port 0 becomes a real one for the front-ends. Probed first
     without SO_REUSEPORT: another service's front-ends on that port (which would share it with ours) hold it."""
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((settings.host, settings.port))
-        except OSError as e:
-            raise ConfigError(f"--port {settings.port} on {settings.host}: cannot listen there "
-                              f"({e.strerror or e})") from None
+    with listening_socket(settings.host, settings.port, listen=False, reuse_port=False) as probe:
         port = probe.getsockname()[1]
     return listening_socket(settings.host, port, listen=False)
 

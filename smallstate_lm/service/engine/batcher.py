@@ -223,11 +223,6 @@ class Batcher:
         if self._wake is not None:
             self._wake.set()
 
-    def poke(self) -> None:
-        """Re-check the waiting condition (a request on its way in was dropped)."""
-        if self._wake is not None:
-            self._wake.set()
-
     async def close(self) -> None:
         """Refuse new jobs, finish the queued and started ones (or drop them past their deadline), stop the worker."""
         self._closing = True

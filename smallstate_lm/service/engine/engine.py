@@ -25,7 +25,7 @@ from smallstate_lm.errors import SmallstateError
 from smallstate_lm.rescoring.formats.lattice_io import read_fst_text
 from smallstate_lm.rescoring.lattices.lattice import SymbolTable
 
-from ..admission import admit
+from ..admission import admit, long_backlog
 from ..board import Board
 from ..errors import ServiceError, Unavailable
 from ..memory import release_memory, rss_bytes
@@ -174,13 +174,15 @@ class Engine:
         try:
             if self.stop_at < math.inf:
                 raise Unavailable("the service is shutting down; retry on another replica", retry_after=1)
-            admit(msg.seconds, msg.lattice_seconds, msg.remaining, msg.timeout, msg.field, self.batcher.slice_s,
-                  self._long_backlog(), self.worker.lattice_ratio)
+            slice_s = self.batcher.slice_s
+            backlog = long_backlog(self.batcher.backlog(long=True), self.batcher.backlog(long=False), slice_s)
+            admit(msg.seconds, msg.lattice_seconds, msg.remaining, msg.timeout, msg.field, slice_s, backlog,
+                  self.worker.lattice_ratio)
             deadline = time.perf_counter() + msg.remaining
             # its class by what it may take (a lattice's upper bound), its place in the backlog by what it should
             job = Job(msg.cost, EngineWork(msg), deadline=min(deadline, self.stop_at),
                       seconds=self.worker.expected_seconds(msg.seconds, msg.lattice_seconds),
-                      long=msg.seconds > self.batcher.slice_s)
+                      long=msg.seconds > slice_s)
             future = self.batcher.submit(job)
         except ServiceError as e:
             self._send(who, Refused(msg.id, portable(e)))
@@ -199,11 +201,7 @@ class Engine:
             result = Refused(id, portable(result))
         self._send(who, result)
 
-    # ---- admission ------------------------------------------------------------------------------
-    def _long_backlog(self) -> float | None:
-        backlog, slice_s = self.batcher.backlog(long=True), self.batcher.slice_s
-        return backlog if backlog > slice_s or self.batcher.backlog(long=False) > slice_s else None
-
+    # ---- the board ------------------------------------------------------------------------------
     async def _publish(self) -> None:
         while True:
             self.board.backlog(self.batcher.backlog(long=True), self.batcher.backlog(long=False),

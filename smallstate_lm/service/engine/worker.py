@@ -170,7 +170,7 @@ class Worker:
         if it.seconds <= step_s or len(it.lens) == 1:
             return [(job, k, None, it.seconds)]
         grain = cost.grain_nodes(it.depth, step_s)
-        seqs = it.sequences()
+        seqs = it.sequences
         pieces = [(group, size.total_nodes) for group, size in
                   sorted_groups(seqs, lambda size: size.total_nodes <= grain)]
         per_node = (it.seconds - len(pieces) * cost.call_s) / max(1, sum(n for _, n in pieces))
@@ -180,7 +180,7 @@ class Worker:
     def _score_part(self, job: Job, k: int, part: np.ndarray) -> None:
         """The neural LM scores of some of list `k`'s hypotheses."""
         w: EngineWork = job.payload
-        seqs = w.submit.lists[k].sequences()
+        seqs = w.submit.lists[k].sequences
         try:
             for j, t in zip(part.tolist(), self.models.neural.encoded_logprobs([[seqs[j] for j in part.tolist()]])[0]):
                 w.neural[k][j] = t
@@ -192,7 +192,7 @@ class Worker:
         lists = [job.payload.submit.lists[k] for job, k in pairs]
         try:
             trees = [it.tree for it in lists]  # sized by the front-end: the scorer need not size them again
-            out = neural.encoded_logprobs([it.sequences() for it in lists], None if None in trees else trees)
+            out = neural.encoded_logprobs([it.sequences for it in lists], None if None in trees else trees)
             for (job, k), tok in zip(pairs, out):
                 job.payload.neural[k] = tok
         except Exception as e:
@@ -209,7 +209,7 @@ class Worker:
                     continue
                 w: EngineWork = job.payload
                 try:
-                    out = neural.encoded_logprobs([w.submit.lists[k].sequences() for k in ks])
+                    out = neural.encoded_logprobs([w.submit.lists[k].sequences for k in ks])
                     for k, tok in zip(ks, out):
                         w.neural[k] = tok
                 except Exception as e:

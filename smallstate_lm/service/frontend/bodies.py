@@ -41,11 +41,11 @@ async def read_raw(request: Request) -> bytes:
 async def parse_body(raw: bytes, model: type[BaseModel], inline: bool = False) -> BaseModel | decode.Request:
     """The body as `model`, or as its `decode` twin when valid (parsed in a thread unless small, or `inline`: a
     valid body decoded in place; one that needs pydantic, which may take a second for 10 MiB, always in a thread)."""
-    if inline and len(raw) > INLINE_BYTES:
-        body = decode.decode(model.__name__, raw)
-        if body is not None:
-            return body
-    return await off_loop(len(raw) <= INLINE_BYTES, _decode, model, raw)
+    small = len(raw) <= INLINE_BYTES
+    if not (small or inline):
+        return await run_in_threadpool(_decode, model, raw)
+    body = decode.decode(model.__name__, raw)
+    return body if body is not None else await off_loop(small, _parse, model, raw)
 
 
 def _decode(model: type[BaseModel], raw: bytes) -> BaseModel | decode.Request:

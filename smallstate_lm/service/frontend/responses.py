@@ -14,10 +14,10 @@ from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
 from ..errors import ServiceError
+from ..memory import release_memory
 from ..schemas import WeightsOut
 from .bodies import off_loop
 from .results import LMTotal, RankedHypothesis, Result
-from .state import Service
 
 # After a request body this large, freed memory goes back to the OS: the allocator keeps what it freed otherwise.
 LARGE_BYTES = 2**20
@@ -35,15 +35,12 @@ def _plain(obj):
 _ENCODER = msgspec.json.Encoder(enc_hook=_plain)
 
 
-async def answer(svc: Service, inline: bool, build: Callable[[], Response], size: int) -> Response:
+async def answer(inline: bool, build: Callable[[], Response], size: int) -> Response:
     """The response, built and encoded off the loop unless small; after a large request (`size` bytes),
     once it is sent, the memory the request freed goes back to the OS."""
     response = await off_loop(inline, build)
     if size > LARGE_BYTES:
-        async def release() -> None:  # async: a BackgroundTask runs plain functions on a thread, without the loop
-            svc.release_memory()
-
-        response.background = BackgroundTask(release)
+        response.background = BackgroundTask(release_memory)  # a plain function: run on a thread, off the loop
     return response
 
 

@@ -47,7 +47,7 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         work = await off_loop(inline or in_place, rescore_work, body, svc.models, svc.settings, early)
         scored = await svc.submit(work, request, timeout)
         inline = inline and work.hypotheses <= INLINE_HYPOTHESES
-        return await answer(svc, inline, lambda: rescore_response(result(svc.models, work, scored), body), size)
+        return await answer(inline, lambda: rescore_response(result(svc.models, work, scored), body), size)
 
     @app.post("/score", response_model=ScoreResponse, responses=ERRORS)
     async def score(request: Request) -> Response:
@@ -59,7 +59,7 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         work = await off_loop(inline, score_work, body, svc.models, svc.settings)
         scored = await svc.submit(work, request, timeout)
         inline = inline and work.hypotheses <= INLINE_HYPOTHESES
-        return await answer(svc, inline, lambda: score_response(result(svc.models, work, scored), body), size)
+        return await answer(inline, lambda: score_response(result(svc.models, work, scored), body), size)
 
 
 def _add_status_routes(app: FastAPI, svc: Service) -> None:

@@ -104,11 +104,6 @@ class Service:
         self.stop_at = stop_at
         self.stopping.set()
 
-    def release_memory(self) -> None:
-        from ..memory import release_memory
-
-        asyncio.get_running_loop().run_in_executor(None, release_memory)
-
     def arrived(self, scope) -> None:
         """The request of `scope` stops counting as on its way in (once)."""
         if scope.pop(ARRIVAL, False):
