@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from smallstate_lm.device import pick_device
 from smallstate_lm.errors import SmallstateError
@@ -45,6 +44,7 @@ from ..messages import (
 from ..metrics import Metrics
 from ..model import Models
 from ..settings import Settings
+from ..wire import Wire
 from .batcher import Batcher, BatchLimits, Job
 from .worker import EngineWork, Worker
 
@@ -72,7 +72,7 @@ class Engine:
         self.stop_at = math.inf
         self.rss_base = 0
         self._releasing = False
-        self._sock: zmq.asyncio.Socket | None = None
+        self._wire: Wire | None = None
 
     async def run(self) -> int:
         """Load, warm up, serve until SIGTERM, then finish or stop every job by the grace time. Returns the exit
@@ -93,24 +93,24 @@ class Engine:
             (self.rundir / FAILED).write_text(str(e))  # the supervisor says it, once
             return 3
         await self._warm_up()
-        ctx = zmq.asyncio.Context()
-        self._sock = sock = ctx.socket(zmq.ROUTER)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(engine_address(self.rundir))
+        self._wire = Wire(sock, self._receive)
         self.batcher.start()
         self.board.engine(os.getpid(), True)
         self.metrics.ready.set(1)
         log.info("engine: model loaded and warmed up in %.1f s on %s", time.perf_counter() - t0, self.models.device)
-        tasks = [asyncio.ensure_future(self._receive(sock)), asyncio.ensure_future(self._publish())]
+        publish = asyncio.ensure_future(self._publish())
         await stop.wait()
         self.board.engine(os.getpid(), False)
         self.metrics.ready.set(0)
         self.stop_at = time.perf_counter() + max(0.0, self.s.graceful_timeout_s - 0.5)
         self.batcher.begin_shutdown(self.stop_at)
         await self.batcher.close()  # every job answered: its result, or stopped at the grace time
-        for task in tasks:
-            task.cancel()
-        sock.close()
+        publish.cancel()
+        self._wire.close()
         ctx.term()
         return 0
 
@@ -141,27 +141,25 @@ class Engine:
         self.rss_base = rss_bytes()
 
     # ---- messages -------------------------------------------------------------------------------
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            who = frames[0].bytes
-            try:
-                msg = from_frames([f.buffer for f in frames[1:]])
-            except Exception:  # a front-end of another version, or a torn message: never the engine's end
-                log.exception("engine: a message that does not unpickle was dropped")
-                continue
-            if isinstance(msg, Submit):
-                self._submit(who, msg)
-            elif isinstance(msg, Cancel):
-                job = self.jobs.pop((who, msg.id), None)
-                if job is not None:
-                    self.batcher.cancel(job)
-            elif isinstance(msg, Hello):
-                self._hello(who, msg)
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        who = frames[0].bytes
+        try:
+            msg = from_frames([f.buffer for f in frames[1:]])
+        except Exception:  # a front-end of another version, or a torn message: never the engine's end
+            log.exception("engine: a message that does not unpickle was dropped")
+            return
+        if isinstance(msg, Submit):
+            self._submit(who, msg)
+        elif isinstance(msg, Cancel):
+            job = self.jobs.pop((who, msg.id), None)
+            if job is not None:
+                self.batcher.cancel(job)
+        elif isinstance(msg, Hello):
+            self._hello(who, msg)
 
     def _send(self, who: bytes, msg) -> None:
-        if self._sock is not None:
-            self._sock.send_multipart([who, *to_frames(msg)], copy=False)
+        if self._wire is not None:
+            self._wire.send([who, *to_frames(msg)])
 
     def _hello(self, who: bytes, msg: Hello) -> None:
         # a front-end that was restarted: the work its predecessor left here is nobody's any more

@@ -12,11 +12,11 @@ import os
 from typing import Callable
 
 import zmq
-import zmq.asyncio
 
 from ..board import Board
 from ..errors import Unavailable
 from ..messages import Cancel, Hello, Submit, Welcome, engine_address, from_frames, to_frames
+from ..wire import Wire
 
 log = logging.getLogger("smallstate_lm.service")
 POLL_S = 0.02  # how often the board is read while the engine is not there
@@ -27,15 +27,15 @@ class EngineClient:
     def __init__(self, rundir: str, index: int, board: Board, on_welcome: Callable[[Welcome], None] = lambda w: None):
         self.address, self.index, self.board = engine_address(rundir), index, board
         self.on_welcome = on_welcome  # told each engine's welcome (a new engine calibrated its cost model anew)
-        self.ctx = zmq.asyncio.Context()
-        self.sock: zmq.asyncio.Socket | None = None
+        self.ctx = zmq.Context()
+        self.wire: Wire | None = None
+        self._hello: asyncio.Future | None = None  # the welcome awaited from a new engine
         self.pending: dict[int, asyncio.Future] = {}
         self.ids = itertools.count(1)
         self.welcome: Welcome | None = None
         self.connected = asyncio.Event()
         self._pidfd: int | None = None
         self._lost_pid = 0
-        self._reader: asyncio.Task | None = None
         self._reconnect: asyncio.Task | None = None
         self._generation = 0
         self.closed = False
@@ -58,23 +58,23 @@ class EngineClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, f"fe{self.index}-{os.getpid()}-{self._generation}".encode())
             sock.connect(self.address)
-            await sock.send_multipart(to_frames(Hello(self.index)))
+            self._hello = hello = loop.create_future()
+            wire = Wire(sock, self._receive)
+            wire.send(to_frames(Hello(self.index)))
             try:
-                frames = await asyncio.wait_for(sock.recv_multipart(copy=False), HELLO_S)
-                welcome = from_frames([f.buffer for f in frames])
+                welcome = await asyncio.wait_for(hello, HELLO_S)
             except asyncio.TimeoutError:  # starting or going: the board says which when it is read again
-                sock.close()
+                wire.close()
                 os.close(pidfd)
                 continue
-            self.sock, self._pidfd, self.welcome = sock, pidfd, welcome
+            self.wire, self._pidfd, self.welcome = wire, pidfd, welcome
             self.on_welcome(welcome)
             loop.add_reader(pidfd, self._lost, pid)
-            self._reader = asyncio.ensure_future(self._receive(sock))
             self.connected.set()
             return welcome
         raise Unavailable("the service is shutting down", retry_after=1)
 
-    async def submit(self, msg: Submit) -> asyncio.Future:
+    def submit(self, msg: Submit) -> asyncio.Future:
         """Send `msg` (its id is set here); the future gets the engine's answer (`Scored` or `Refused`), or
         Unavailable when the engine ends first."""
         if not self.connected.is_set():
@@ -83,25 +83,27 @@ class EngineClient:
         msg.id = next(self.ids)
         future = asyncio.get_running_loop().create_future()
         self.pending[msg.id] = future
-        await self.sock.send_multipart(to_frames(msg), copy=False)
+        self.wire.send(to_frames(msg))
         return future
 
     def cancel(self, id: int) -> None:
         """The request `id` was given up: the engine stops its work (nothing to stop when it answered already)."""
         if self.pending.pop(id, None) is not None and self.connected.is_set():
-            self.sock.send_multipart(to_frames(Cancel(id)))
+            self.wire.send(to_frames(Cancel(id)))
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            try:
-                msg = from_frames([f.buffer for f in frames])
-            except Exception:
-                log.exception("front-end: an answer of the engine that does not unpickle was dropped")
-                continue
-            future = self.pending.pop(getattr(msg, "id", -1), None)
-            if future is not None and not future.done():
-                future.set_result(msg)
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = from_frames([f.buffer for f in frames])
+        except Exception:
+            log.exception("front-end: an answer of the engine that does not unpickle was dropped")
+            return
+        if isinstance(msg, Welcome):
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg)
+            return
+        future = self.pending.pop(getattr(msg, "id", -1), None)
+        if future is not None and not future.done():
+            future.set_result(msg)
 
     def _lost(self, pid: int) -> None:
         """The engine exited: every request waiting on it is answered now, and a new engine is awaited."""
@@ -131,12 +133,9 @@ class EngineClient:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
 
     def close(self) -> None:
         self.closed = True

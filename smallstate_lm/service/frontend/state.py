@@ -160,7 +160,7 @@ class Service:
         admit(work.seconds, work.lattice_seconds, remaining, timeout, field, self.settings.slice_ms / 1000,
               self.board.long_backlog(), self.lattice_ratio)
         msg = engine_submit(self.models, work, remaining, timeout)
-        future = await self.client.submit(msg)
+        future = self.client.submit(msg)
         self.arrived(request.scope)  # once sent: the engine's batcher may stop waiting for it only then
         gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
