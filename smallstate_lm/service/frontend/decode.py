@@ -10,8 +10,9 @@ be stricter than the schemas, never more lenient; tests/test_decode.py holds the
 The Structs are untracked by the cycle collector (`gc=False`: they hold strings, numbers and lists
 only), so that decoding a large body does not set off full collections.
 
-Per-word checks (no whitespace, length) run over each list's words joined into one string: one C
-scan per list, where a pattern per word costs more than the whole decode."""
+A hypothesis's words have their length checked by msgspec as it decodes them (in C); whitespace is looked for
+in all the request's words joined into one string: one C scan, where a pattern per word costs more than the
+whole decode."""
 
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Score = Annotated[float, msgspec.Meta(ge=-MAX_ABS_SCORE, le=MAX_ABS_SCORE)]
 Weight = Annotated[float, msgspec.Meta(ge=-MAX_ABS_WEIGHT, le=MAX_ABS_WEIGHT)]
 SymbolId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Word = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_WORD_CHARS)]  # whitespace: `_no_space`
 
 
 class HypothesisIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     am_score: Score
     id: Optional[Id] = None
     text: Optional[str] = None
-    words: Optional[list[str]] = None
+    words: Optional[list[Word]] = None
     graph_score: Score = 0.0
 
 
@@ -103,8 +105,10 @@ def decode(kind: str, raw: bytes, words: bool = True) -> Request | None:
 
 
 def _rescore_ok(body: RescoreRequest, words: bool = True) -> bool:
-    """Each utterance a list or a lattice, each hypothesis words or text; and, with `words`, the words' own checks."""
-    lists = []  # every `words` of the request, checked together
+    """Each utterance a list or a lattice, each hypothesis words or text; and, with `words`, the words' own checks
+    (a hypothesis's words' lengths were checked as they were decoded)."""
+    lists = []  # every hypothesis's `words`, checked together
+    symbols = []  # and every lattice's symbol table's
     for u in body.utterances:
         if (u.hypotheses is None) == (u.lattice is None):
             return False
@@ -112,7 +116,7 @@ def _rescore_ok(body: RescoreRequest, words: bool = True) -> bool:
             return False
         if u.lattice is not None:
             if words and u.lattice.words is not None:
-                lists.append(list(u.lattice.words))
+                symbols.append(list(u.lattice.words))
             continue
         for h in u.hypotheses:
             if h.words is None:
@@ -122,7 +126,9 @@ def _rescore_ok(body: RescoreRequest, words: bool = True) -> bool:
                 return False
             elif words:
                 lists.append(h.words)
-    return not words or _words_ok(list(itertools.chain.from_iterable(lists)))
+    if not words:
+        return True
+    return _words_ok(list(itertools.chain.from_iterable(symbols))) and _no_space(itertools.chain.from_iterable(lists))
 
 
 def _words_ok(words: list[str]) -> bool:
@@ -131,6 +137,10 @@ def _words_ok(words: list[str]) -> bool:
         return True
     if "" in words or max(map(len, words)) > MAX_WORD_CHARS:
         return False
+    return _no_space(words)
+
+
+def _no_space(words) -> bool:
     return _SPACE.search("".join(words)) is None
 
 

@@ -6,7 +6,7 @@ so the routes may run them on any thread."""
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from smallstate_lm.rescoring.formats.fst_text import FstTextColumns, fst_text_columns
 from smallstate_lm.rescoring.formats.lattice_io import read_fst_text, read_slf_text
@@ -53,47 +53,68 @@ def rescore_work(body: RescoreRequest, models: Models, s: Settings, early: Early
         raise LimitError(f"nbest={body.nbest} is over the limit of {s.max_nbest} (max_nbest)", "nbest", s.max_nbest)
     weights = request_weights(models, body.weights.model_dump(exclude_none=True) if body.weights else {})
     lists_floor, sizes, _ = _check_lists_early(body, models, s, early) if early is not None else (0.0, None, None)
+    formats = {u.lattice.format for u in body.utterances if u.lattice is not None}
+    if early is not None and formats == {"openfst-text"}:
+        # A large request's lattices are first read for their structure only (their weights are much of the
+        # reading) and held to the limits: one refused costs about half of its reading, one let in a little more.
+        for _ in _lattices_priced(body, models, s, lists_floor, early, costs=False):
+            pass
     items: list[NbestItem | LatticeItem] = []
     fields = []
-    steps = 0  # estimated LM steps of the request's lattices
-    lattice_s = 0.0  # and their predicted seconds: over the limit, the rest of the request need not be parsed
+    lattices = iter(_lattices_priced(body, models, s, lists_floor, early))
     for i, u in enumerate(body.utterances):
         where = f"utterances[{i}]"
         if u.hypotheses is not None:
             # its hypotheses built once
             items.append(nbest_item(*_hypotheses(u, where, s)))
         else:
-            if u.context is not None:
-                raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
-                                   f"{where}.context")
-            lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs, )
-            shape = lattice_shape(lat, s.max_per_state)
-            steps += shape.total_steps
-            if steps > s.max_lattice_cost:
-                raise CostLimitError(f"expanding the request's lattices would take up to {steps} LM steps "
-                                     f"(estimated from their arcs and paths), more than the limit of "
-                                     f"{s.max_lattice_cost} (max_lattice_cost)", f"{where}.lattice",
-                                     s.max_lattice_cost)
-            item = lattice_item(models, lat, body.nbest or s.lattice_nbest, shape)
-            lattice_s += item.seconds
-            if item.nbytes > s.max_request_bytes:  # lattices that do not fit together are expanded fewer at a time
-                raise CostLimitError(f"expanding the lattice would need up to {item.nbytes / 2**20:.0f} MiB of "
-                                     f"working memory (predicted by the cost model), more than the limit of "
-                                     f"{s.max_request_bytes / 2**20:.0f} MiB (max_request_bytes)",
-                                     f"{where}.lattice", s.max_request_bytes)
-            if early is not None:
-                early.so_far(lists_floor + lattice_s)
-            if lattice_s > s.max_request_seconds:
-                raise CostLimitError(f"the request's lattices up to {where} alone would take up to {lattice_s:.1f} s "
-                                     f"on this server (predicted by its cost model), more than the limit of "
-                                     f"{s.max_request_seconds:g} s (max_request_seconds)", f"{where}.lattice",
-                                     s.max_request_seconds)
-            items.append(item)
+            items.append(next(lattices))
         fields.append(where)
     work = make_work(models, Work("rescore", weights, items, fields, nbest=body.nbest,
                                   token_logprobs=body.return_token_logprobs), sizes, s.max_request_bytes)
     _check_cost(work, "utterances", s)
     return work
+
+
+def _lattices_priced(body: RescoreRequest, models: Models, s: Settings, lists_floor: float, early: Early | None,
+                     costs: bool = True) -> Iterator[LatticeItem]:
+    """The request's lattices as work, in order, each parsed (with its weights unless `costs` is False: OpenFST
+    text is then read for its structure only) and held to the limits as they add up: their LM steps, predicted
+    seconds and working memory; `early`, when given, told the request's floor so far (`lists_floor` for its
+    lists) after each. A generator: the caller takes each lattice as it reaches it (or, run to the end, every
+    lattice is checked)."""
+    steps = 0  # estimated LM steps of the request's lattices
+    lattice_s = 0.0  # and their predicted seconds: over the limit, the rest of the request need not be parsed
+    for i, u in enumerate(body.utterances):
+        if u.hypotheses is not None:
+            continue
+        where = f"utterances[{i}]"
+        if u.context is not None:
+            raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
+                               f"{where}.context")
+        lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs, costs)
+        shape = lattice_shape(lat, s.max_per_state)
+        steps += shape.total_steps
+        if steps > s.max_lattice_cost:
+            raise CostLimitError(f"expanding the request's lattices would take up to {steps} LM steps "
+                                 f"(estimated from their arcs and paths), more than the limit of "
+                                 f"{s.max_lattice_cost} (max_lattice_cost)", f"{where}.lattice",
+                                 s.max_lattice_cost)
+        item = lattice_item(models, lat, body.nbest or s.lattice_nbest, shape)
+        lattice_s += item.seconds
+        if item.nbytes > s.max_request_bytes:  # lattices that do not fit together are expanded fewer at a time
+            raise CostLimitError(f"expanding the lattice would need up to {item.nbytes / 2**20:.0f} MiB of "
+                                 f"working memory (predicted by the cost model), more than the limit of "
+                                 f"{s.max_request_bytes / 2**20:.0f} MiB (max_request_bytes)",
+                                 f"{where}.lattice", s.max_request_bytes)
+        if early is not None:
+            early.so_far(lists_floor + lattice_s)
+        if lattice_s > s.max_request_seconds:
+            raise CostLimitError(f"the request's lattices up to {where} alone would take up to {lattice_s:.1f} s "
+                                 f"on this server (predicted by its cost model), more than the limit of "
+                                 f"{s.max_request_seconds:g} s (max_request_seconds)", f"{where}.lattice",
+                                 s.max_request_seconds)
+        yield item
 
 
 def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
