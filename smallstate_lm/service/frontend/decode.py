@@ -17,14 +17,11 @@ whole decode."""
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-from ..schemas import MAX_ABS_SCORE, MAX_ABS_WEIGHT, MAX_WORD_CHARS, SPACES
-
-_SPACE = re.compile(f"[{SPACES}]")
+from ..schemas import MAX_ABS_SCORE, MAX_ABS_WEIGHT, MAX_WORD_CHARS
 
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Score = Annotated[float, msgspec.Meta(ge=-MAX_ABS_SCORE, le=MAX_ABS_SCORE)]
@@ -141,7 +138,10 @@ def _words_ok(words: list[str]) -> bool:
 
 
 def _no_space(words) -> bool:
-    return _SPACE.search("".join(words)) is None
+    """No word holds whitespace: str.split's whitespace is the schema's (SPACES, str.isspace), found in one
+    C scan several times faster than a search by pattern."""
+    joined = "".join(words)
+    return not joined or joined.split(maxsplit=1) == [joined]
 
 
 def _text_ok(text: str) -> bool:
