@@ -92,7 +92,8 @@ class SubwordVocabulary(Vocabulary):
                                   f"{UNK_ID}; it has {sp.bos_id()}, {sp.eos_id()}, {sp.unk_id()}")
         pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
         super().__init__(list(SPECIALS) + pieces[len(SPECIALS):])
-        self.model, self.spec, self._sp = bytes(model), spec, sp
+        # the spec it was trained with (a tokenizer file read on its own says only its size)
+        self.model, self.spec, self._sp = bytes(model), spec or f"sentencepiece:{len(pieces)}", sp
         self._pieces: dict[str, tuple[int, ...]] = {}  # a word's pieces, cut once
 
     def pieces(self, word: str) -> tuple[int, ...]:

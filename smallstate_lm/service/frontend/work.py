@@ -296,7 +296,7 @@ def check_encodable(models: Models, words: Iterable[str], field: str) -> None:
     for w in words:
         if w not in vocab:
             raise ServiceError(f"the word {w!r} cannot be cut into the neural LM's pieces: its tokenizer "
-                               f"({vocab.spec or 'SentencePiece'}) has never seen a character of it", field)
+                               f"({vocab.spec}) has never seen a character of it", field)
 
 
 def check_lattice_vocabulary(models: Models, lat: Lattice, field: str) -> None:
