@@ -15,12 +15,14 @@ from .checkpoint import load_model
 from .data import encode_sentences, eval_batches, perplexity
 from .files import read_sentences
 from .models import count_parameters
+from .scoring.words import per_word
 from .state import pad_batch
 from .vocab import EncodeStats
 
 CONVENTION = (
     "perplexity = exp(-sum log p / N), N = words + one </s> per sentence; each sentence is "
-    "scored from <s>; OOV words are mapped to <unk> and counted (their <unk> probability is included)"
+    "scored from <s>; OOV words are mapped to <unk> and counted (their <unk> probability is included); "
+    "a subword LM's word is the sum of its pieces (perplexity_per_token: N = pieces + one </s> per sentence)"
 )
 
 
@@ -84,8 +86,10 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
     t0 = time.perf_counter()
     per_seq = token_logprobs(lm.model, seqs, batch_tokens, device)
     seconds = time.perf_counter() - t0
-    neural = np.concatenate(per_seq) if per_seq else np.zeros(0)
-    logprob, n = float(neural.sum()), int(neural.size)
+    n = sum(a.size for a in per_seq)
+    # per word (a subword LM's pieces summed): what the n-gram and the rescorer see
+    neural = np.concatenate(per_word(lm.vocab, sentences, per_seq)) if per_seq else np.zeros(0)
+    logprob, n_words = float(neural.sum()), int(neural.size)
     mix = None
     if ngram is not None:
         from .ngram import NgramLM
@@ -100,9 +104,11 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         "model": str(lm.path),
         "preset": lm.config.name,
         "text": str(text),
-        "perplexity": perplexity(logprob, n),
+        "perplexity": perplexity(logprob, n_words),
+        "perplexity_per_token": perplexity(logprob, n),
         "logprob_sum_ln": logprob,
         "tokens": n,
+        "tokenizer": getattr(lm.vocab, "spec", "word"),
         "sentences": len(seqs),
         "words": stats.words,
         "oov_words": stats.oov,

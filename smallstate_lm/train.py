@@ -181,8 +181,15 @@ def check_finite(loss: float, step: int) -> float:
 
 
 def load_vocabulary(path: str | Path) -> Vocabulary:
-    """A vocabulary from a run directory (its vocab.txt) or a vocab.txt file."""
+    """A vocabulary from a run directory (its tokenizer, else its vocab.txt), a vocab.txt file or a tokenizer
+    file."""
+    from .subword import TOKENIZER_FILE, SubwordVocabulary
+
     p = Path(path)
+    if p.is_dir() and (p / TOKENIZER_FILE).is_file():
+        return SubwordVocabulary.load_file(p / TOKENIZER_FILE)
+    if p.name == TOKENIZER_FILE and p.is_file():
+        return SubwordVocabulary.load_file(p)
     p = p / "vocab.txt" if p.is_dir() else p
     if not p.is_file():
         raise ConfigError(f"{path}: no vocabulary there (expected a run directory with vocab.txt, or a vocab.txt)")
@@ -374,11 +381,23 @@ def _vocab_and_config(tc: TrainConfig, train_sents: list[list[str]], resume: dic
         if init is not None and tc.overrides:
             cfg = cfg.replace(**tc.overrides)
     else:
-        vocab = (load_vocabulary(tc.vocab_from) if tc.vocab_from
-                 else Vocabulary.build(train_sents, tc.min_count, tc.max_vocab, tc.lowercase))
+        vocab = (load_vocabulary(tc.vocab_from) if tc.vocab_from else _new_vocabulary(tc, train_sents))
         cfg = get_preset(tc.preset).replace(**tc.overrides, vocab_size=len(vocab))
     cfg.validate()
     return vocab, cfg
+
+
+def _new_vocabulary(tc: TrainConfig, train_sents: list[list[str]]) -> Vocabulary:
+    """The words of the training text (--max-vocab, --min-count), or a tokenizer trained on it (--tokenizer)."""
+    from .subword import TokenizerSpec, train_tokenizer
+
+    spec = TokenizerSpec.parse(tc.tokenizer)
+    if spec.kind == "word":
+        return Vocabulary.build(train_sents, tc.min_count, tc.max_vocab, tc.lowercase)
+    if tc.max_vocab is not None or tc.min_count != 1:
+        raise ConfigError(f"--tokenizer {spec} sets the vocabulary's size ({spec.size} pieces): leave out "
+                          f"--max-vocab and --min-count")
+    return train_tokenizer(train_sents, spec)
 
 
 def _batcher(tc: TrainConfig, train_sents: list[list[str]],

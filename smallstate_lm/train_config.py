@@ -69,6 +69,9 @@ class TrainConfig:
     newbob_factor: float = 0.5
     newbob_threshold: float = 0.01  # relative validation improvement below which SGD halves its lr
     seed: int = option(1)
+    tokenizer: str = option("word", help="The LM's tokens: word (each word of the training text; --max-vocab, "
+                            "--min-count), or bpe:N / unigram:N (N SentencePiece pieces trained on the training "
+                            "text; every word is the sum of its pieces).")
     min_count: int = option(1)
     max_vocab: int | None = option(None)
     lowercase: bool = option(False)

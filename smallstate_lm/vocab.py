@@ -37,8 +37,11 @@ class EncodeStats:
 class Vocabulary:
     """A closed word list; words outside it map to `<unk>`.
 
-    `lowercase=True` folds words before lookup, both when building and when encoding.
+    `lowercase=True` folds words before lookup, both when building and when encoding. A word is one token here;
+    `subword.SubwordVocabulary` cuts words into pieces behind the same interface.
     """
+
+    subword = False
 
     def __init__(self, words: Sequence[str], lowercase: bool = False):
         words = list(words)
@@ -104,6 +107,10 @@ class Vocabulary:
         # map() with the dict's own get: no Python frame per word (this runs for every hypothesis scored)
         return map(self.index.get, map(str.lower, words) if self.lowercase else words, repeat(UNK_ID))
 
+    def token_counts(self, words: Sequence[str]) -> list[int]:
+        """The LM's tokens per word (`encode` gives them end to end): one each here."""
+        return [1] * len(words)
+
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.words[i] for i in ids]
 
@@ -113,7 +120,13 @@ class Vocabulary:
 
     @classmethod
     def from_dict(cls, d: dict) -> Vocabulary:
+        """The vocabulary of a checkpoint's record: a subword one when the record holds a tokenizer (records
+        written before tokenizers existed hold none, and load as word vocabularies)."""
         try:
+            if "tokenizer" in d:
+                from .subword import SubwordVocabulary
+
+                return SubwordVocabulary.from_record(d)
             return cls(d["words"], lowercase=bool(d.get("lowercase", False)))
         except (KeyError, TypeError) as e:
             raise VocabularyError(f"malformed vocabulary record: {e}") from None

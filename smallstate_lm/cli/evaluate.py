@@ -34,7 +34,10 @@ def eval_(
         return
     typer.echo(f"model            {r['model']} ({r['preset']}, {r['parameters']:,} parameters)")
     typer.echo(f"text             {r['text']}: {r['sentences']:,} sentences, {r['words']:,} words")
-    typer.echo(f"perplexity       {r['perplexity']:.2f} over {r['tokens']:,} tokens")
+    typer.echo(f"perplexity       {r['perplexity']:.2f} per word ({r['words'] + r['sentences']:,} words and </s>)")
+    if r["tokens"] != r["words"] + r["sentences"]:
+        typer.echo(f"per token        {r['perplexity_per_token']:.2f} over {r['tokens']:,} tokens "
+                   f"(tokenizer {r['tokenizer']})")
     typer.echo(f"OOV words        {r['oov_words']:,} ({100 * r['oov_rate']:.2f}%)")
     typer.echo(f"convention       {r['convention']}")
     typer.echo(f"speed            {r['tokens_per_second']:,.0f} tokens/s on {r['device']} in {r['precision']}")
@@ -46,9 +49,9 @@ def eval_(
         typer.echo(f"{key:<16} {value}")
     mix = r["interpolation"]
     if mix:
-        typer.echo(f"n-gram           {mix['ngram']}: perplexity {mix['ngram_perplexity']:.2f} on the same tokens")
+        typer.echo(f"n-gram           {mix['ngram']}: perplexity {mix['ngram_perplexity']:.2f} on the same words")
         typer.echo(f"interpolated     perplexity {mix['perplexity']:.2f} with lam {mix['lambda']:.2f} "
-                   f"(lam * p_neural + (1 - lam) * p_ngram per token; rescore --set interpolation=linear "
+                   f"(lam * p_neural + (1 - lam) * p_ngram per word; rescore --set interpolation=linear "
                    f"--set lam={mix['lambda']:.2f})")
 
 

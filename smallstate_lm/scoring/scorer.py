@@ -16,6 +16,7 @@ from ..vocab import EOS_ID, Vocabulary
 from .paths import PathCosts, measure_path_costs
 from .tree_attention import DEFAULT_MAX_WORK_BYTES, TreePlanner, WorkCost
 from .trie import PrefixTrie, TreeSize, trie_size
+from .words import per_word
 
 
 class NeuralScorer:
@@ -62,8 +63,11 @@ class NeuralScorer:
                        sizes: Sequence[TreeSize] | None = None) -> list[list[np.ndarray]]:
         """groups: per utterance, its hypotheses as word lists; `sizes`, when the caller has them, the
         `trie_size` of each utterance's encoded hypotheses. Returns, per utterance and hypothesis, an array of
-        len(words)+1 log-probs (the last one is `</s>`)."""
-        return self.encoded_logprobs([[self.encode(h) for h in hyps] for hyps in groups], sizes)
+        len(words)+1 log-probs (the last one is `</s>`); a subword LM's word gets the sum of its pieces'."""
+        out = self.encoded_logprobs([[self.encode(h) for h in hyps] for hyps in groups], sizes)
+        if self.vocab.subword:
+            out = [per_word(self.vocab, hyps, lps) for hyps, lps in zip(groups, out)]
+        return out
 
     @torch.no_grad()
     def encoded_logprobs(self, encoded: list[list[list[int]]],

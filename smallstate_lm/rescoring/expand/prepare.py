@@ -10,6 +10,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ...subword import WordTable
 from ...vocab import Vocabulary
 from ...weights import Weights, count_oov, oov_reference
 from ..lattices.graph import backtrack, completion_costs, sort_groups, state_levels, viterbi
@@ -136,9 +137,9 @@ class LatticeJob:
 
 
 def prepare_group(jobs: list[LatticeJob], w: Weights, vocab: Vocabulary | None, cache: LmCache,
-                  first_pass_words: bool = True) -> None:
+                  first_pass_words: bool = True, words: WordTable | None = None) -> None:
     """Set the arrays of lattices joining a run, and (with `first_pass_words`) the decoder's own best path of
-    each."""
+    each. `words`: a subword LM's table of words (their LM tokens are its indices)."""
     if not jobs:
         return
     lats = [j.lat for j in jobs]
@@ -147,23 +148,23 @@ def prepare_group(jobs: list[LatticeJob], w: Weights, vocab: Vocabulary | None, 
     lm_scale = w.graph_scale + w.lm_weight + w.ngram_weight
     beta = completion_costs(e.src, e.dst, w.am_scale * e.acoustic + lm_scale * e.graph,
                             w.am_scale * e.final_acoustic + lm_scale * e.final_graph, level)
-    words = _word_arrays(lats, e, vocab, cache)
+    arrays = _word_arrays(lats, e, vocab, cache, words)
     first_pass = w.am_scale * e.acoustic + w.graph_scale * e.graph
     fp_words = [None] * len(lats)
     if first_pass_words:
         fp_words = _first_pass_words(lats, e, e.graph + w.am_scale * e.acoustic,
                                      np.where(np.isfinite(e.final_graph),
                                               e.final_graph + w.am_scale * e.final_acoustic, np.inf), level)
-    for job, arrays, words_of in zip(jobs, e.split([level, beta], [*words, first_pass]), fp_words):
-        job.prep = Prepared(*arrays)
+    for job, split, words_of in zip(jobs, e.split([level, beta], [*arrays, first_pass]), fp_words):
+        job.prep = Prepared(*split)
         job.n_levels = int(job.prep.level.max()) + 1
         job.first_pass_words = words_of
 
 
-def _word_arrays(lats: list[Lattice], e: EndToEnd, vocab: Vocabulary | None,
-                 cache: LmCache) -> tuple[np.ndarray, ...]:
-    """Per arc of the lattices laid end to end: is it a word, its LM token id, its OOV count, and its
-    `word_id`; each distinct word id of each symbol table is looked up once."""
+def _word_arrays(lats: list[Lattice], e: EndToEnd, vocab: Vocabulary | None, cache: LmCache,
+                 words: WordTable | None = None) -> tuple[np.ndarray, ...]:
+    """Per arc of the lattices laid end to end: is it a word, its LM token id (a subword LM's: the word's index in
+    `words`), its OOV count, and its `word_id`; each distinct word id of each symbol table is looked up once."""
     word = e.word
     is_word = np.zeros(len(word), dtype=bool)
     arc_lm = np.zeros(len(word), dtype=np.int64)
@@ -182,7 +183,9 @@ def _word_arrays(lats: list[Lattice], e: EndToEnd, vocab: Vocabulary | None,
         is_word[at] = True
         ids, inverse = _distinct(word[at])
         strings = [sym.word(i) for i in ids.tolist()]
-        if vocab is not None:
+        if words is not None:
+            arc_lm[at] = np.array([words.index(ws) for ws in strings], dtype=np.int64)[inverse]
+        elif vocab is not None:
             arc_lm[at] = np.array([vocab.encode([ws])[0] for ws in strings], dtype=np.int64)[inverse]
         arc_oov[at] = np.array([float(count_oov([ws], known)) for ws in strings])[inverse]
         arc_gword[at] = np.array([cache.word_id(ws) for ws in strings], dtype=np.int64)[inverse]

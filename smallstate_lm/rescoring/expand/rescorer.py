@@ -22,6 +22,7 @@ import numpy as np
 
 from ...errors import ConfigError, SmallstateError
 from ...ngram import NgramLM
+from ...subword import WordTable
 from ...vocab import Vocabulary
 from ...weights import Weights
 from ..lattices.lattice import Lattice
@@ -81,6 +82,8 @@ class LatticeRescorer:
         if model is not None and vocab is None:
             raise ConfigError("a neural LM needs its vocabulary")
         self.w, self.model, self.vocab, self.ngram = weights, model, vocab, ngram
+        # A subword LM's tokens for words are rows of a table of their pieces: an arc feeds its word whole.
+        self.words = WordTable(vocab) if vocab is not None and vocab.subword else None
         self.cfg = config or ExpandConfig()
         self.device = device
         self.state_bytes = (0, 0)  # LM state bytes per position and per row
@@ -135,11 +138,19 @@ class LatticeRescorer:
         import torch
 
         with torch.no_grad():
-            tokens = torch.as_tensor(tok, dtype=torch.long, device=self.device)[:, None]
-            logp, new_state = self.model.score(tokens, self._gather(obj, row, objs))
+            if self.words is None:
+                tokens = torch.as_tensor(tok, dtype=torch.long, device=self.device)[:, None]
+                logp, new_state = self.model.score(tokens, self._gather(obj, row, objs))
+                logp = logp[:, 0]
+            else:  # each row its word's pieces, the state after the last of them
+                pieces, counts = self.words.rows(tok.tolist())
+                logp, new_state = self.model.score(torch.tensor(pieces, dtype=torch.long, device=self.device),
+                                                   self._gather(obj, row, objs),
+                                                   torch.tensor(counts, dtype=torch.long, device=self.device))
+                logp = logp.double().sum(1)
             objs[new_obj] = new_state.compact()
         self.lm_calls += 1
-        return logp[:, 0].double().cpu().numpy()
+        return logp.double().cpu().numpy()
 
     def _gather(self, obj: np.ndarray, row: np.ndarray, objs: dict[int, object]):
         """One state with row i = row[i] of state object obj[i]."""
@@ -233,7 +244,7 @@ class _Schedule:
         left out; the others start."""
         r = self.r
         try:
-            prepare_group(jobs, r.w, r.vocab, r.cache, r.cfg.first_pass)
+            prepare_group(jobs, r.w, r.vocab, r.cache, r.cfg.first_pass, r.words)
         except SmallstateError as e:
             if len(jobs) > 1:  # one at a time, to find which
                 return [x for one in jobs for x in self._join([one], step)]

@@ -26,6 +26,7 @@ from .work import (
     lattice_item,
     list_floor,
     lists_seconds,
+    lm_lengths,
     make_work,
     nbest_item,
     prepared,
@@ -139,7 +140,7 @@ def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
         if context:
             seqs = [context + q for q in seqs]
         seqs_of.append(seqs)
-        lens_of.append(list(map(len, seqs)))
+        lens_of.append(lm_lengths(models, seqs))
         floor += list_floor(models, lens_of[-1])
         early.so_far(floor)
     sizes = trie_sizes_of(models, seqs_of)

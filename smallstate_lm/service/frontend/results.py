@@ -15,12 +15,13 @@ from smallstate_lm.errors import SmallstateError
 from smallstate_lm.rescoring.decode.transcript import Decoded, decode_lattice
 from smallstate_lm.rescoring.nbest.components import Components, first_pass_components, hypothesis_scores, ranking
 from smallstate_lm.rescoring.nbest.confidence import list_confidences
+from smallstate_lm.scoring.words import per_word
 from smallstate_lm.weights import Weights, oov_counts
 
 from ..errors import ServiceError
 from ..messages import Scored
 from ..model import Models
-from .work import LatticeItem, NbestItem, Work
+from .work import LatticeItem, NbestItem, Work, lm_lengths
 
 
 @dataclass
@@ -123,8 +124,9 @@ def _take(models: Models, w: Work, scored: Scored) -> None:
     for k, it in enumerate(lists):
         c = first_pass_components(it.scored, models.known)
         if scored.neural is not None:
-            lens = np.fromiter((len(h.words) + 1 for h in it.scored.hyps), dtype=np.int64, count=len(it.scored.hyps))
-            c.neural_tok = np.split(scored.neural[k], np.cumsum(lens)[:-1])
+            words = [h.words for h in it.scored.hyps]
+            lens = np.asarray(lm_lengths(models, words), dtype=np.int64) + 1  # the LM's tokens and </s>
+            c.neural_tok = per_word(models.neural.vocab, words, np.split(scored.neural[k], np.cumsum(lens)[:-1]))
             c.neural = np.array([x.sum() for x in c.neural_tok])
         if models.ngram is not None:
             c.ngram_tok = [models.ngram.token_logprobs(h.words) for h in it.scored.hyps]

@@ -15,7 +15,7 @@ from smallstate_lm.weights import check_overlap
 from ..errors import ServiceError
 from ..messages import LatticeJob, ListJob, Submit
 from ..model import Models
-from .work import LatticeItem, NbestItem, Work
+from .work import LatticeItem, NbestItem, Work, check_encodable, lm_lengths
 
 
 def engine_submit(models: Models, work: Work, remaining: float, timeout: float) -> Submit:
@@ -29,7 +29,7 @@ def engine_submit(models: Models, work: Work, remaining: float, timeout: float) 
     if neural is not None:
         for it in lists:
             hyps = it.scored.hyps
-            words = np.fromiter(map(len, (h.words for h in hyps)), dtype=np.int64, count=len(hyps))
+            words = np.fromiter(lm_lengths(models, [h.words for h in hyps]), dtype=np.int64, count=len(hyps))
             ids = np.fromiter(neural.vocab.ids(itertools.chain.from_iterable(h.words for h in hyps)), dtype=np.int64,
                               count=int(words.sum()))
             tokens = np.insert(ids, np.cumsum(words), EOS_ID)  # </s> after each hypothesis' words
@@ -44,6 +44,7 @@ def engine_submit(models: Models, work: Work, remaining: float, timeout: float) 
 def _check_vocabulary(models: Models, lists: list[NbestItem], field: str) -> None:
     """The overlap check of compute_components, per request: a request in the wrong vocabulary fails alone."""
     sents = [h.words for it in lists for h in it.scored.hyps]
+    check_encodable(models, itertools.chain.from_iterable(sents), field)
     try:
         if models.neural is not None:
             check_overlap(sents, models.neural.vocab, "the neural LM")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -192,7 +193,7 @@ def _estimate_list(models: Models, it: NbestItem, size: TreeSize | None) -> tupl
     """Sets the list's cost (the neural LM tokens it needs computed), depth and predicted seconds; returns its
     tokens and predicted peak bytes. `size`: its trie's (`trie_sizes_of`; None unless the scorer shares prefixes)."""
     seqs = [h.words for h in it.scored.hyps]
-    est = _list_estimate(models, list(map(len, seqs)), size, seqs)
+    est = _list_estimate(models, lm_lengths(models, seqs), size, seqs)
     tokens, it.cost, it.depth, nbytes, it.seconds = est
     it.tree = size
     return tokens, nbytes
@@ -254,6 +255,14 @@ def list_floor(models: Models, lens: list[int]) -> float:
     return _share(models, seconds) if neural else seconds  # monotone: a floor stays a floor
 
 
+def lm_lengths(models: Models, seqs: list[list[str]]) -> list[int]:
+    """The neural LM's tokens (without `</s>`) of each word sequence: its words, or a subword LM's pieces of them."""
+    vocab = models.neural.vocab if models.neural is not None else None
+    if vocab is None or not vocab.subword:
+        return list(map(len, seqs))
+    return [sum(vocab.token_counts(s)) for s in seqs]
+
+
 def trie_sizes_of(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
     """The size of the prefix trie the scorer builds over each list of word sequences (all None unless the
     scorer shares prefixes), all at once: each distinct word encoded once, the sizes from `trie_sizes`."""
@@ -261,7 +270,7 @@ def trie_sizes_of(models: Models, lists: list[list[list[str]]]) -> list[TreeSize
     if neural is None or not (neural.use_tree and neural.share_prefixes) or not lists:
         return [None] * len(lists)
     seqs = list(itertools.chain.from_iterable(lists))
-    lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    lens = np.fromiter(lm_lengths(models, seqs), dtype=np.int64, count=len(seqs))
     flat = np.fromiter(neural.vocab.ids(itertools.chain.from_iterable(seqs)), dtype=np.int64, count=int(lens.sum()))
     which = np.repeat(np.arange(len(lists)), list(map(len, lists)))
     return trie_sizes(flat, lens, which, len(lists), end=EOS_ID)
@@ -278,12 +287,25 @@ def _tree_bytes(models: Models, size: TreeSize) -> int:
     return max(one.nbytes(neural.model, cap), min(whole, cap if cap is not None else 1 << 62))
 
 
+def check_encodable(models: Models, words: Iterable[str], field: str) -> None:
+    """A subword LM has no out-of-vocabulary words, only words with a character its tokenizer never saw, which it
+    cannot score: 422 naming the first of them."""
+    vocab = models.neural.vocab if models.neural is not None else None
+    if vocab is None or not vocab.subword:
+        return
+    for w in words:
+        if w not in vocab:
+            raise ServiceError(f"the word {w!r} cannot be cut into the neural LM's pieces: its tokenizer "
+                               f"({vocab.spec}) has never seen a character of it", field)
+
+
 def check_lattice_vocabulary(models: Models, lat: Lattice, field: str) -> None:
     """The overlap check of hypothesis lists, on a lattice's words: a lattice in the wrong
     vocabulary is refused like a list in it (422), not scored as all <unk>."""
     ids = lat.word[lat.symbols.word_flags(lat.word)]
     distinct, counts = np.unique(ids, return_counts=True)  # a word per distinct id, not per arc
     words = [lat.symbols.word(i) for i in distinct.tolist()]
+    check_encodable(models, words, field)
     for known, what in ((models.neural and models.neural.vocab, "the neural LM"), (models.ngram, "the n-gram")):
         if known is None or not len(ids):
             continue
