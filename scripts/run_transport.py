@@ -141,7 +141,7 @@ def unpack(parts: list[Path], runs: Path) -> None:
     import torch
 
     from smallstate_lm.checkpoint import DIGEST_KEY, FORMAT, atomic_torch_save, tensor_digests
-    from smallstate_lm.vocab import Vocabulary
+    from smallstate_lm.subword import vocabulary_of
 
     parts = sorted(Path(p) for p in parts)
     try:
@@ -169,7 +169,7 @@ def unpack(parts: list[Path], runs: Path) -> None:
                    DIGEST_KEY: tensor_digests(weights), "transport": "int8 per row",
                    **{k: packed[k] for k in ("step", "valid_ppl") if k in packed}}
             atomic_torch_save(obj, dest.parent / "model.pt")
-            Vocabulary.from_dict(packed["vocab"]).save(dest.parent / "vocab.txt")
+            vocabulary_of(packed["vocab"]).save(dest.parent / "vocab.txt")
         elif info.name.endswith(".xz"):
             atomic_write_bytes(dest.with_suffix(""), lzma.decompress(body))
         else:

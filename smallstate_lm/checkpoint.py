@@ -22,6 +22,7 @@ from torch import nn
 from .errors import CheckpointError, SmallstateError
 from .files import atomic_output
 from .models import ModelConfig, build_model
+from .subword import vocabulary_of
 from .vocab import EOS_ID, Vocabulary
 
 FORMAT = "smallstate-lm/1"
@@ -163,7 +164,7 @@ def export_model(src: str | os.PathLike, out_dir: str | os.PathLike, half: bool 
     release = {"format": FORMAT, "config": obj["config"], "vocab": obj["vocab"], "model": weights,
                DIGEST_KEY: tensor_digests(weights), **keep, **extra}
     atomic_torch_save(release, out / MODEL_FILE)
-    Vocabulary.from_dict(obj["vocab"]).save(out / "vocab.txt")
+    vocabulary_of(obj["vocab"]).save(out / "vocab.txt")
     return out / MODEL_FILE
 
 
@@ -190,7 +191,7 @@ def load_model(
     try:
         cfg = ModelConfig.from_dict(dict(obj["config"]))
         cfg.validate()
-        vocab = Vocabulary.from_dict(obj["vocab"])
+        vocab = vocabulary_of(obj["vocab"])
     except (SmallstateError, TypeError) as e:
         raise CheckpointError(f"{path}: bad config or vocabulary: {e}") from None
     if len(vocab) != cfg.vocab_size:

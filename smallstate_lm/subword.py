@@ -160,6 +160,14 @@ class SubwordVocabulary(Vocabulary):
             raise VocabularyError(f"{path}: {e}") from None
 
 
+def vocabulary_of(record: dict) -> Vocabulary:
+    """The vocabulary of a checkpoint's record: a subword one when the record holds a tokenizer (records written
+    before tokenizers existed hold none, and are word vocabularies)."""
+    if isinstance(record, dict) and "tokenizer" in record:
+        return SubwordVocabulary.from_record(record)
+    return Vocabulary.from_dict(record)
+
+
 class WordTable:
     """The words of lattices as the expansion's neural LM tokens when the LM scores pieces: each distinct word an
     index into a table of its pieces (index `</s>` is `</s>` itself), so that an arc's step feeds its word's

@@ -40,6 +40,7 @@ from .evaluate import score_corpus
 from .files import read_sentences
 from .models import ModelConfig, build_model, count_parameters, get_preset
 from .state import pad_batch
+from .subword import TOKENIZER_FILE, SubwordVocabulary, TokenizerSpec, train_tokenizer, vocabulary_of
 from .train_config import TrainConfig
 from .vocab import BOS_ID, EncodeStats, Vocabulary
 
@@ -183,8 +184,6 @@ def check_finite(loss: float, step: int) -> float:
 def load_vocabulary(path: str | Path) -> Vocabulary:
     """A vocabulary from a run directory (its tokenizer, else its vocab.txt), a vocab.txt file or a tokenizer
     file."""
-    from .subword import TOKENIZER_FILE, SubwordVocabulary
-
     p = Path(path)
     if p.is_dir() and (p / TOKENIZER_FILE).is_file():
         return SubwordVocabulary.load_file(p / TOKENIZER_FILE)
@@ -376,7 +375,7 @@ def _vocab_and_config(tc: TrainConfig, train_sents: list[list[str]], resume: dic
     (--init-from takes --set on top); a new one builds both."""
     src = resume if resume is not None else init
     if src is not None:
-        vocab = Vocabulary.from_dict(src["vocab"])
+        vocab = vocabulary_of(src["vocab"])
         cfg = ModelConfig.from_dict(dict(src["config"]))
         if init is not None and tc.overrides:
             cfg = cfg.replace(**tc.overrides)
@@ -389,8 +388,6 @@ def _vocab_and_config(tc: TrainConfig, train_sents: list[list[str]], resume: dic
 
 def _new_vocabulary(tc: TrainConfig, train_sents: list[list[str]]) -> Vocabulary:
     """The words of the training text (--max-vocab, --min-count), or a tokenizer trained on it (--tokenizer)."""
-    from .subword import TokenizerSpec, train_tokenizer
-
     spec = TokenizerSpec.parse(tc.tokenizer)
     if spec.kind == "word":
         return Vocabulary.build(train_sents, tc.min_count, tc.max_vocab, tc.lowercase)

@@ -45,8 +45,8 @@ class TrainConfig:
     warmup_steps: int = option(100)
     max_steps: int | None = option(None, help="Total steps (the cosine schedule spans them).")
     # A token budget compares runs with different batch sizes per token.
-    max_tokens: int | None = option(None, help="Stop after this many training tokens (words + </s>); the cosine "
-                                    "schedule spans them.")
+    max_tokens: int | None = option(None, help="Stop after this many training tokens (the LM's: words, or pieces "
+                                    "with --tokenizer, and </s>); the cosine schedule spans them.")
     max_epochs: int = option(20)
     max_minutes: float | None = option(None, help="Stop after this much training time.")
     # cpu time is fairer for comparing models on a machine shared with other work

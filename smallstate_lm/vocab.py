@@ -120,13 +120,8 @@ class Vocabulary:
 
     @classmethod
     def from_dict(cls, d: dict) -> Vocabulary:
-        """The vocabulary of a checkpoint's record: a subword one when the record holds a tokenizer (records
-        written before tokenizers existed hold none, and load as word vocabularies)."""
+        """A word vocabulary's record (`subword.vocabulary_of` reads any record, a tokenizer's too)."""
         try:
-            if "tokenizer" in d:
-                from .subword import SubwordVocabulary
-
-                return SubwordVocabulary.from_record(d)
             return cls(d["words"], lowercase=bool(d.get("lowercase", False)))
         except (KeyError, TypeError) as e:
             raise VocabularyError(f"malformed vocabulary record: {e}") from None

@@ -13,8 +13,8 @@ PKG = Path(__file__).resolve().parent.parent / "smallstate_lm"
 # (layer rank, group): a module may import from a lower rank, or from its own group at the same rank.
 CORE, MODELS, SCORING, WORK, SERVICE, FRONT = range(6)
 LAYERS = {
-    "errors": (CORE, "core"), "files": (CORE, "core"), "vocab": (CORE, "core"), "state": (CORE, "core"),
-    "device": (CORE, "core"),
+    "errors": (CORE, "core"), "files": (CORE, "core"), "vocab": (CORE, "core"), "subword": (CORE, "core"),
+    "state": (CORE, "core"), "device": (CORE, "core"),
     "models": (MODELS, "models"),
     "checkpoint": (SCORING, "scoring"), "ngram": (SCORING, "scoring"), "scoring": (SCORING, "scoring"),
     "weights": (SCORING, "scoring"), "lms": (SCORING, "scoring"),
