@@ -383,6 +383,7 @@ def test_64_concurrent_clients(server, tiny_lm_dir, kenlm_model):
     assert refused >= 1  # 4xx answers are counted by status too
     models = httpx.get(server.url + "/v1/models").json()
     assert models["neural"]["vocab_size"] == len(lm.vocab) and models["ngram"]["order"] == 3
+    assert models["neural"]["tokenizer"] == "word"
     assert models["neural"]["state_numel_per_position"] == lm.model.state_numel_per_position()
     cost = models["cost_model"]  # calibrated on this machine at warm-up
     assert cost["calibrated"] and cost["node_s"] > 0 and cost["row_s"] > 0 and 0 < cost["lattice_ratio"] <= 1

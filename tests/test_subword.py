@@ -175,6 +175,7 @@ def test_bad_tokenizer_options_are_one_error_line(small_corpus, tmp_path):
 
 
 def test_the_service_scores_lists_and_lattices_with_a_subword_lm(bpe_lm, kenlm_model, tmp_path):
+    import httpx
     from test_server import Server, post
 
     lm = load_model(bpe_lm)
@@ -204,5 +205,7 @@ def test_the_service_scores_lists_and_lattices_with_a_subword_lm(bpe_lm, kenlm_m
         r = post(srv, "/rescore", {"utterances": [{"id": "u", "hypotheses": [{"words": ["the", "日本"],
                                                                             "am_score": -1.0}]}]})
         assert r.status_code == 422 and "日本" in r.json()["detail"], r.text
+        models = httpx.get(srv.url + "/v1/models", timeout=10).json()
+        assert models["neural"]["tokenizer"] == lm.vocab.spec and models["neural"]["vocab_size"] == len(lm.vocab)
     finally:
         assert srv.stop() == 0, srv.log.read_text()

@@ -249,6 +249,8 @@ class NeuralInfo(BaseModel):
     preset: str
     parameters: int
     vocab_size: int
+    tokenizer: str = Field("word", description="What the LM's tokens are: word, or the SentencePiece model it was "
+                           "trained with (e.g. bpe:2000), whose pieces sum to each word's score.")
     state_numel_per_position: int = Field(..., description="Numbers of LM state stored per history position.")
     state_bytes_per_position: int
     config: dict
