@@ -108,7 +108,7 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         "perplexity_per_token": perplexity(logprob, n),
         "logprob_sum_ln": logprob,
         "tokens": n,
-        "tokenizer": getattr(lm.vocab, "spec", "word"),
+        "tokenizer": lm.vocab.spec,
         "sentences": len(seqs),
         "words": stats.words,
         "oov_words": stats.oov,

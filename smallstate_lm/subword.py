@@ -122,6 +122,9 @@ class SubwordVocabulary(Vocabulary):
     def token_counts(self, words: Sequence[str]) -> list[int]:
         return [len(self.pieces(w)) for w in words]
 
+    def lengths(self, sentences: Iterable[Sequence[str]]) -> list[int]:
+        return [sum(map(len, map(self.pieces, s))) for s in sentences]
+
     # ---- persistence --------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"words": list(self.words), "lowercase": False,

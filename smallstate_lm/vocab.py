@@ -42,6 +42,7 @@ class Vocabulary:
     """
 
     subword = False
+    spec = "word"  # what its tokens are (a subword vocabulary: the SentencePiece model's spec)
 
     def __init__(self, words: Sequence[str], lowercase: bool = False):
         words = list(words)
@@ -110,6 +111,10 @@ class Vocabulary:
     def token_counts(self, words: Sequence[str]) -> list[int]:
         """The LM's tokens per word (`encode` gives them end to end): one each here."""
         return [1] * len(words)
+
+    def lengths(self, sentences: Iterable[Sequence[str]]) -> list[int]:
+        """The LM's tokens of each sentence (without `</s>`): its words here."""
+        return list(map(len, sentences))
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.words[i] for i in ids]

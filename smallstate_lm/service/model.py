@@ -125,7 +125,7 @@ class Models:
             numel = model.state_numel_per_position()
             neural_info = {"name": _name(s.lm), "preset": str(self.loaded.config.name),
                            "parameters": count_parameters(model), "vocab_size": len(self.loaded.vocab),
-                           "tokenizer": getattr(self.loaded.vocab, "spec", "word"),
+                           "tokenizer": self.loaded.vocab.spec,
                            "state_numel_per_position": numel,
                            "state_bytes_per_position": numel * next(model.parameters()).element_size(),
                            "config": self.loaded.config.to_dict()}

@@ -32,7 +32,7 @@ class Wire:
         self._look()  # what came before the reader was added signals nothing more
 
     def send(self, frames: list) -> None:
-        """Queue `frames` as one message; never waits (a peer that is gone drops it: ROUTER) ."""
+        """Queue `frames` as one message; never waits (a ROUTER drops a message to a peer that is gone)."""
         self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         self._look()
 

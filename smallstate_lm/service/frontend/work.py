@@ -257,10 +257,7 @@ def list_floor(models: Models, lens: list[int]) -> float:
 
 def lm_lengths(models: Models, seqs: list[list[str]]) -> list[int]:
     """The neural LM's tokens (without `</s>`) of each word sequence: its words, or a subword LM's pieces of them."""
-    vocab = models.neural.vocab if models.neural is not None else None
-    if vocab is None or not vocab.subword:
-        return list(map(len, seqs))
-    return [sum(vocab.token_counts(s)) for s in seqs]
+    return models.neural.vocab.lengths(seqs) if models.neural is not None else list(map(len, seqs))
 
 
 def trie_sizes_of(models: Models, lists: list[list[list[str]]]) -> list[TreeSize | None]:
