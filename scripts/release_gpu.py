@@ -250,7 +250,8 @@ def cmd_run(args) -> None:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     results.add({"call": {"device": device, "torch": torch.__version__, "python": sys.version.split()[0],
-                          "cpus": os.cpu_count(), "minutes": args.minutes, "started": time.strftime("%FT%T%z")}})
+                          "cpus": os.cpu_count(), "minutes": args.minutes, "members": len(chosen),
+                          "started": time.strftime("%FT%T%z")}})
     t0, procs = time.time(), {}
     threads = [threading.Thread(target=run_member, args=(m, args, runs, results, env, procs, t0), daemon=True)
                for m in chosen]
@@ -277,6 +278,55 @@ def cmd_run(args) -> None:
     print(f"call done in {time.time() - t0:.0f} s", flush=True)
 
 
+def cmd_table(args) -> None:
+    """The families table from results.jsonl files (later files' rows replace earlier ones of the
+    same member only where the earlier failed), written into docs/results.md's section."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import write_section
+
+    rows, calls = {}, []
+    for path in args.results:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise Refused(f"{path}: cannot read it ({e.strerror or e})") from None
+        call = {}
+        records = [json.loads(line) for line in lines]
+        for r in records:
+            if "call" in r:  # processes that shared the device (calls before it was recorded: the file's count)
+                call = {"members": sum("member" in x for x in records), **r["call"]}
+                calls.append(call)
+                continue
+            if r["member"] not in rows or "failed" in rows[r["member"]][0]:
+                rows[r["member"]] = (r, call)
+    if not rows:
+        raise Refused("no members in " + ", ".join(args.results))
+    lines = ["| model | kind | size knob | parameters | non-embedding | state / position | trained tokens | "
+             "minutes, GPU shared by | tokens/s | valid ppl | dev ppl |", "|---" * 11 + "|"]
+    order = [m.name for m in members()]
+    for name, (r, call) in sorted(rows.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
+        knob = ", ".join(f"{k} {v}" for k, v in r["sets"].items() if k != "dropout") or "-"
+        state = f"{r['state']:,}" + (f" + {r['state_fixed']:,} fixed" if r["state_fixed"] else "")
+        if "failed" in r:
+            lines.append(f"| `{name}` | {r['preset']} | {knob} | - | {r['nonemb']:,} | {state} | - | "
+                         f"{call.get('minutes', '?')} | - | failed: {' '.join(r['log_tail'])[:80]} | - |")
+            continue
+        s, v, d = r["summary"], r["valid"], r["dev"]
+        sharing = "alone" if call.get("members") == 1 else f"{call.get('members', '?')}"
+        dev = f"{d['perplexity']:.2f}" + (f" ({d['perplexity_per_token']:.2f} per piece)"
+                                          if r["tokenizer"] != "word" else "")
+        lines.append(f"| `{name}` | {r['preset']}{', ' + r['tokenizer'] if r['tokenizer'] != 'word' else ''}"
+                     f"{', distilled' if r['distill'] else ''} | {knob} | {v['parameters']:,} | {r['nonemb']:,} | "
+                     f"{state} | {s['tokens'] / 1e6:.1f}M | {call.get('minutes')}, {sharing} | "
+                     f"{s['tokens'] / s['elapsed_seconds']:,.0f} | {v['perplexity']:.2f} | {dev} |")
+    devices = sorted({f"{c['device']} (torch {c['torch']}, Python {c['python']}, {c['cpus']} CPUs)" for c in calls})
+    body = "\n".join([*lines, "", f"Device: {'; '.join(devices)}; perplexities computed there by `smallstate-lm "
+                       "eval --device cuda` (fp32) on the best-valid checkpoint."])
+    print(body)
+    if args.section:
+        write_section(args.section + "-table", body, doc=ROOT / "docs" / "results.md", header="# Results\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -295,11 +345,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--members", default=None, help="only these members, comma-separated")
     p.add_argument("--limit-mb", type=float, default=58.0, help="most megabytes of packed weights")
     p.add_argument("--tolerance", type=float, default=0.05)
+    p = sub.add_parser("table", help="the families table from results.jsonl")
+    p.add_argument("--results", nargs="+", default=[str(ROOT / "docs" / "families" / "results.jsonl")])
+    p.add_argument("--section", default=None, help="docs/results.md section to write (name-table)")
     args = ap.parse_args(argv)
     if getattr(args, "pack_at", 0) is None:
         args.pack_at = args.minutes * 60 + 90
     try:
-        {"plan": cmd_plan, "run": cmd_run}[args.cmd](args)
+        {"plan": cmd_plan, "run": cmd_run, "table": cmd_table}[args.cmd](args)
     except Refused as e:
         print(f"release_gpu: error: {e}", file=sys.stderr)
         sys.exit(2)
