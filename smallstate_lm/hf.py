@@ -1,0 +1,410 @@
+"""A Hugging Face causal LM behind our state contract (`--lm hf:DIR`): a local directory holding any
+`AutoModelForCausalLM` (safetensors weights) and its tokenizer.
+
+Ids: ours 0, 1, 2 are the tokenizer's BOS, EOS and unknown token (`<s>`, `</s>`, `<unk>` to the rest of the
+project); the tokenizer's id i is our i + 3. A word is cut as the tokenizer cuts it after a space, so every
+word has one piece sequence wherever it stands (GPT-2's " word", a SentencePiece model's "▁word"); a
+sentence's pieces are its words' end to end, and a word's log-probability is the sum of its pieces'.
+
+The state is the model's own key/value cache (per layer, (B, heads, S, head_dim)), a mask of the cache
+columns each row really holds, each row's next position, and its pending token (run with the next call, as
+in our own models: its output predicts the next token). Rows of one batch differ in length: their padding
+stays in the cache as masked columns (`compact` drops the columns no row holds), positions are per row.
+Prefix sharing (`score_tree`) runs a trie in one forward with a 4-D ancestor mask and positions = depth,
+for the architectures where that is exact (TREE_TYPES); others fall back to padded rows.
+
+`transformers` is an optional dependency (`pip install smallstate-lm[hf]`), imported only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .errors import CheckpointError, ConfigError
+from .state import LMState, check_tokens, length_mask
+from .vocab import SPECIALS, EncodeStats, Vocabulary
+
+PREFIX = "hf:"
+SHIFT = len(SPECIALS)  # the tokenizer's id i is our i + SHIFT
+# model_type values whose attention takes a 4-D mask and explicit position ids as they are (tested)
+TREE_TYPES = frozenset({"gpt2", "llama"})
+log = logging.getLogger(__name__)
+
+
+def is_hf(spec: str | os.PathLike | None) -> bool:
+    return spec is not None and str(spec).startswith(PREFIX)
+
+
+class HFVocabulary(Vocabulary):
+    """The tokenizer's pieces behind the Vocabulary interface (as `subword.SubwordVocabulary`): `encode(words)`
+    gives each word's pieces end to end. A word is out of vocabulary when a piece of it is the unknown token
+    (a byte-level tokenizer has none: every word is encodable)."""
+
+    subword = True
+
+    def __init__(self, tokenizer, name: str):
+        self.tok = tokenizer
+        self.spec = f"hf:{name}"
+        self.lowercase = False
+        specials = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
+        if specials[0] is None and specials[1] is None:
+            raise ConfigError(f"{self.spec}: the tokenizer defines neither a BOS nor an EOS token")
+        # a tokenizer without BOS starts sentences with EOS (GPT-2's convention) and vice versa
+        bos = specials[0] if specials[0] is not None else specials[1]
+        eos = specials[1] if specials[1] is not None else specials[0]
+        self.special_ids = (bos, eos, specials[2] if specials[2] is not None else eos)
+        self.unk_hf = specials[2]
+        n = len(tokenizer)
+        self.words = list(SPECIALS) + [f"#{i}" for i in range(n)]  # ids only: pieces are not words
+        self.index = {}
+        # the tokenizer's pieces of a word after a space: the difference between "x" and "x word", so that a
+        # tokenizer adding its own prefix space (SentencePiece) and one that does not (GPT-2) cut alike
+        self._lead = tokenizer.encode("x", add_special_tokens=False)
+        self._pieces: dict[str, tuple[int, ...]] = {}
+
+    def pieces(self, word: str) -> tuple[int, ...]:
+        p = self._pieces.get(word)
+        if p is None:
+            ids = self.tok.encode("x " + word, add_special_tokens=False)
+            if ids[: len(self._lead)] != self._lead:  # the word merged into the lead: encode it alone
+                ids = self._lead + self.tok.encode(" " + word, add_special_tokens=False)
+            p = self._pieces[word] = tuple(i + SHIFT for i in ids[len(self._lead):])
+        return p
+
+    def __contains__(self, word: str) -> bool:
+        return self.unk_hf is None or self.unk_hf + SHIFT not in self.pieces(word)
+
+    def normalise(self, word: str) -> str:
+        return word
+
+    def encode(self, words: Sequence[str], stats: EncodeStats | None = None) -> list[int]:
+        cut = [self.pieces(w) for w in words]
+        if stats is not None:
+            stats.words += len(cut)
+            stats.oov += sum(w not in self for w in words)
+        return list(chain.from_iterable(cut))
+
+    def ids(self, words: Iterable[str]) -> Iterator[int]:
+        return chain.from_iterable(map(self.pieces, words))
+
+    def token_counts(self, words: Sequence[str]) -> list[int]:
+        return [len(self.pieces(w)) for w in words]
+
+    def lengths(self, sentences: Iterable[Sequence[str]]) -> list[int]:
+        return [sum(map(len, map(self.pieces, s))) for s in sentences]
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        return [SPECIALS[i] if i < SHIFT else self.tok.convert_ids_to_tokens(i - SHIFT) for i in ids]
+
+    def to_dict(self) -> dict:
+        return {"tokenizer": {"kind": "hf", "spec": self.spec}}
+
+    def save(self, path: str | os.PathLike) -> None:
+        raise ConfigError(f"{self.spec}: a Hugging Face tokenizer stays in its own directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConfig:
+    """What the rest of the project reads of a model's config (sizes for cost estimates, a name)."""
+
+    name: str
+    model_type: str
+    vocab_size: int  # ours: the tokenizer's + SHIFT
+    d_model: int
+    d_ff: int
+    n_heads: int
+    n_layers: int
+    max_positions: int | None
+    arch: str = "hf"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFState(LMState):
+    """keys/values: per layer (B, H, S, Dh); mask (B, S) bool, the columns a row holds (None: all); pos (B,)
+    the next position of each row; last (B,) the pending token (ours)."""
+
+    keys: list
+    values: list
+    mask: Tensor | None
+    pos: Tensor
+    last: Tensor
+
+    memory_fields = ("keys", "values")
+
+    @classmethod
+    def cat(cls, states: list[HFState]) -> HFState:
+        if len(states) == 1:
+            return states[0]
+        S = max(st.keys[0].shape[2] for st in states)
+
+        def pad(t: Tensor) -> Tensor:  # masked columns in front
+            extra = S - t.shape[2]
+            return t if extra == 0 else torch.cat([t.new_zeros(*t.shape[:2], extra, *t.shape[3:]), t], 2)
+
+        masks = []
+        for st in states:
+            B, s = st.pos.shape[0], st.keys[0].shape[2]
+            m = st.mask if st.mask is not None else torch.ones(B, s, dtype=torch.bool, device=st.pos.device)
+            masks.append(torch.cat([m.new_zeros(B, S - s), m], 1))
+        mask = torch.cat(masks)
+        n = len(states[0].keys)
+        return HFState([torch.cat([pad(st.keys[i]) for st in states]) for i in range(n)],
+                       [torch.cat([pad(st.values[i]) for st in states]) for i in range(n)],
+                       None if bool(mask.all()) else mask,
+                       torch.cat([st.pos for st in states]), torch.cat([st.last for st in states]))
+
+    def compact(self) -> HFState:
+        if self.mask is None:
+            return self
+        keep = self.mask.any(0)
+        if bool(keep.all()):
+            return self
+        idx = keep.nonzero()[:, 0]
+        mask = self.mask[:, idx]
+        return HFState([k.index_select(2, idx) for k in self.keys], [v.index_select(2, idx) for v in self.values],
+                       None if bool(mask.all()) else mask, self.pos, self.last)
+
+
+class HFCausalLM(torch.nn.Module):
+    """`StatefulLM` over a transformers causal LM (see the module's docstring)."""
+
+    log_probs_all = None
+    aux_loss = None
+    after_step = None
+    max_history = None
+
+    def __init__(self, hf_model, vocab: HFVocabulary, name: str):
+        super().__init__()
+        self.hf = hf_model
+        c = hf_model.config
+        self.model_type = getattr(c, "model_type", "")
+        self.max_positions = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+        d = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 0)
+        heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", 1)
+        self.cfg = HFConfig(name=name, model_type=self.model_type, vocab_size=len(vocab), d_model=d,
+                            d_ff=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d,
+                            n_heads=heads, n_layers=getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 0),
+                            max_positions=self.max_positions)
+        bos, eos, unk = vocab.special_ids
+        n = len(vocab) - SHIFT
+        self.register_buffer("to_hf", torch.cat([torch.tensor([bos, eos, unk]), torch.arange(n)]), persistent=False)
+        self._cache_kw = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+        if self.model_type in TREE_TYPES:
+            self.score_tree, self.tree_plan = self._score_tree, self._tree_plan
+        else:
+            self.score_tree = self.tree_plan = None
+        with torch.no_grad():  # the cache's shape per layer, from one token
+            probe = self._forward(torch.zeros(1, 1, dtype=torch.long), None, None, torch.zeros(1, 1, dtype=torch.long))
+        self._kv_shape = [(k.shape[1], k.shape[3]) for k, _ in probe[1]]
+        self._n_kv = sum(h * dh for h, dh in self._kv_shape)
+
+    # ---- the contract -------------------------------------------------------------------------
+    def state_numel_per_position(self) -> int:
+        return 2 * self._n_kv
+
+    def state_numel_fixed(self) -> int:
+        return 0
+
+    def report(self) -> dict:
+        return {}
+
+    def initial_state(self, batch_size: int, device=None) -> HFState:
+        p = next(self.hf.parameters())
+        dev = p.device if device is None else torch.device(device)
+        empty = [torch.zeros(batch_size, h, 0, dh, dtype=p.dtype, device=dev) for h, dh in self._kv_shape]
+        return HFState(empty, list(empty), None, torch.zeros(batch_size, dtype=torch.long, device=dev),
+                       torch.zeros(batch_size, dtype=torch.long, device=dev))
+
+    def score(self, tokens: Tensor, state: HFState, lengths: Tensor | None = None) -> tuple[Tensor, HFState]:
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        B, T = tokens.shape
+        if T == 0:
+            return tokens.new_zeros((B, 0), dtype=torch.float32), state
+        logp, new = self._run(tokens, state, lengths, include_last=False)  # (B, T, V_hf)
+        target = self.to_hf[tokens]
+        out = logp.gather(2, target[:, :, None])[:, :, 0]
+        if lengths is not None:
+            out = out.masked_fill(~length_mask(lengths, T), 0.0)
+        return out, new
+
+    def step(self, tokens: Tensor, state: HFState, lengths: Tensor | None = None) -> tuple[Tensor, HFState]:
+        lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
+        B, T = tokens.shape
+        logp, new = self._run(tokens, state, lengths, include_last=True)  # (B, T+1, V_hf)
+        idx = lengths if lengths is not None else torch.full((B,), T, device=tokens.device)
+        last = logp[torch.arange(B, device=tokens.device), idx]  # (B, V_hf)
+        return last.index_select(1, self.to_hf), new
+
+    # ---- running the model --------------------------------------------------------------------
+    def _forward(self, ids: Tensor, cache: list | None, mask: Tensor | None, positions: Tensor):
+        """ids (B, T) the tokenizer's; cache: per layer (keys, values) or None; mask: (B, S+T) or 4-D, or None;
+        positions (B, T). -> (logits (B, T, V), [(keys, values)] per layer after the call)."""
+        from transformers import DynamicCache
+
+        kw = {}
+        if cache is not None and cache[0][0].shape[2] > 0:
+            kw[self._cache_kw] = DynamicCache(ddp_cache_data=cache, config=self.hf.config)
+        out = self.hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kw)
+        new = out.cache if "cache" in out else out.past_key_values  # the name before transformers 5.2x
+        return out.logits, [(layer.keys, layer.values) for layer in new.layers]
+
+    def _check_positions(self, last_position: int) -> None:
+        if self.max_positions is not None and last_position >= self.max_positions:
+            raise ValueError(f"{self.cfg.name}: a hypothesis needs position {last_position}, past the model's "
+                             f"{self.max_positions} positions")
+
+    def _run(self, tokens: Tensor, state: HFState, lengths: Tensor | None, include_last: bool):
+        B, T = tokens.shape
+        dev = tokens.device
+        n = torch.full((B,), T, device=dev) if lengths is None else lengths  # real tokens per row
+        inputs = torch.cat([state.last[:, None], tokens], 1)  # the pending token, then the tokens
+        if not include_last:
+            inputs = inputs[:, :T]
+        Tin = inputs.shape[1]
+        cols = torch.arange(Tin, device=dev)[None]
+        cached = cols < n[:, None]  # what the new state keeps: the pending token and all but the last token
+        real = cols < (n + 1 if include_last else n)[:, None]
+        attend = real | (cols == 0)  # every query sees one key at least (a row that scores nothing)
+        if B:
+            self._check_positions(int((state.pos + n - (0 if include_last else 1)).max()))
+        positions = (state.pos[:, None] + cols).clamp(max=(self.max_positions or 2**30) - 1)
+        S = state.keys[0].shape[2]
+        old = state.mask if state.mask is not None else torch.ones(B, S, dtype=torch.bool, device=dev)
+        mask = torch.cat([old, attend], 1).long()
+        ids = self.to_hf[inputs.masked_fill(~real, 0)]
+        logits, kv = self._forward(ids, list(zip(state.keys, state.values)), mask, positions)
+        logp = torch.log_softmax(logits.float(), -1)
+        new_mask = torch.cat([old, cached], 1)
+        pending = state.last if lengths is None and T == 0 else self._next_pending(tokens, state.last, lengths)
+        new = HFState([k for k, _ in kv], [v for _, v in kv], None if bool(new_mask.all()) else new_mask,
+                      state.pos + n, pending)
+        return logp, new
+
+    @staticmethod
+    def _next_pending(tokens: Tensor, last: Tensor, lengths: Tensor | None) -> Tensor:
+        if lengths is None:
+            return tokens[:, -1] if tokens.shape[1] > 0 else last
+        picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+        return torch.where(lengths > 0, picked, last)
+
+    # ---- prefix sharing -----------------------------------------------------------------------
+    def _score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None,
+                    max_work_bytes: int | None = None, plan=None) -> Tensor:
+        """A trie from `<s>` in one forward: input 0 is BOS, node i at input i + 1 attends to itself and its
+        ancestors only, at position = its depth; node i's log-prob is read at its parent's output."""
+        B, N = tokens.shape
+        dev = tokens.device
+        if lengths is None:
+            lengths = torch.full((B,), N, dtype=torch.long, device=dev)
+        real = length_mask(lengths, N)
+        par = torch.where(real, parents, -1) + 1  # (B, N) parent's input position; 0 = BOS
+        if bool(((par < 0) | (par > torch.arange(N, device=dev)[None])).any()):
+            raise ValueError("every parent must come before its child in the row")
+        anc = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)
+        anc[:, 0, 0] = True
+        depth = torch.zeros(B, N + 1, dtype=torch.long, device=dev)
+        rows = torch.arange(B, device=dev)
+        for i in range(N):  # parents come first: each node's row is its parent's plus itself
+            p = par[:, i]
+            anc[:, i + 1] = anc[rows, p]
+            anc[:, i + 1, i + 1] = True
+            depth[:, i + 1] = depth[rows, p] + 1
+        if N:
+            self._check_positions(int(depth.max()) - 1)
+        ids = torch.cat([self.to_hf[torch.zeros(B, 1, dtype=torch.long, device=dev)],
+                         self.to_hf[tokens.masked_fill(~real, 0)]], 1)
+        logits, _ = self._forward(ids, None, anc[:, None], depth)
+        logp = torch.log_softmax(logits.float(), -1)  # (B, N+1, V)
+        at_parent = logp.gather(1, par[:, :, None].expand(B, N, logp.shape[2]))  # (B, N, V)
+        out = at_parent.gather(2, self.to_hf[tokens.masked_fill(~real, 0)][:, :, None])[:, :, 0]
+        return out.masked_fill(~real, 0.0)
+
+    def _tree_plan(self, n_rows: int, max_nodes: int, total_nodes: int, max_depth: int, path_len: int,
+                   max_work_bytes: int | None = None):
+        from .models.transformer import TreePlan
+
+        c, M = self.cfg, n_rows * (max_nodes + 1)
+        # logits and log-probs (twice: the gather at parents), the ancestor mask, each layer's stream and cache
+        nbytes = 12 * M * (c.vocab_size - SHIFT) + n_rows * (max_nodes + 1) ** 2 * (1 + 4 * c.n_heads) \
+            + 4 * M * (8 * c.d_model + c.d_ff + self.state_numel_per_position())
+        return TreePlan(False, 0, int(nbytes))
+
+
+def load_hf(spec: str | os.PathLike, device="cpu", precision: str = "fp32"):
+    """`hf:DIR` -> a LoadedModel; every failure is one CheckpointError/ConfigError naming the directory. Never
+    runs code from the directory (trust_remote_code=False) and reads safetensors weights only."""
+    from .checkpoint import LoadedModel
+    from .device import pick_dtype
+
+    dtype = pick_dtype(precision)
+    path = Path(str(spec)[len(PREFIX):])
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ConfigError(f"{spec}: Hugging Face LMs need transformers (pip install 'smallstate-lm[hf]')") from None
+    major = int(transformers.__version__.split(".")[0])
+    if major != 5:
+        raise ConfigError(f"{spec}: transformers {transformers.__version__} is installed; this release supports "
+                          "5.x (its key/value cache API changes between major releases)")
+    if not path.is_dir():
+        raise CheckpointError(f"{spec}: no such directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{spec}: no config.json: not a Hugging Face model directory")
+    if not any(path.glob("*.safetensors")):
+        raise CheckpointError(f"{spec}: no *.safetensors weights (other weight formats can run code when loaded "
+                              "and are not read)")
+    quiet = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+        except (OSError, ValueError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{spec}: unreadable config.json ({str(e).splitlines()[0][:200]})") from None
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise CheckpointError(f"{spec}: model_type {config.model_type!r} is not a causal LM "
+                                  "(AutoModelForCausalLM cannot load it)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{spec}: no usable tokenizer ({str(e).splitlines()[0][:200]})") from None
+        if not getattr(tokenizer, "is_fast", False) and not hasattr(tokenizer, "encode"):
+            raise CheckpointError(f"{spec}: the tokenizer cannot encode text")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, use_safetensors=True,
+                                                         local_files_only=True, dtype=torch.float32,
+                                                         attn_implementation="sdpa")
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{spec}: the weights do not load ({str(e).splitlines()[0][:200]})") from None
+    finally:
+        transformers.logging.set_verbosity(quiet)
+        transformers.logging.enable_progress_bar()
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise CheckpointError(f"{spec}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only "
+                              f"{rows} rows: they do not belong together")
+    vocab = HFVocabulary(tokenizer, path.name)
+    model.to(device=device, dtype=dtype).eval()
+    lm = HFCausalLM(model, vocab, str(path.name)).to(device)
+    lm.eval()
+    if lm.score_tree is None:
+        log.warning("%s: model_type %r: no prefix sharing (tree attention is tested for %s); scoring padded rows",
+                    spec, lm.model_type, ", ".join(sorted(TREE_TYPES)))
+    return LoadedModel(model=lm, vocab=vocab, config=lm.cfg, path=path, extra={"hf": True})
+
