@@ -185,7 +185,7 @@ def load_model(
     fp16), and `self_check` it in that precision (fp16 overflow shows there); every failure is a
     CheckpointError naming the file."""
     from .device import pick_dtype, settle_attention_backend
-    from .hf import is_hf
+    from .lms import is_hf
 
     if is_hf(path):
         from .hf import load_hf

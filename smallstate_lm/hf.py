@@ -30,19 +30,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, WorkLimitError
+from .lms import HF_PREFIX
 from .state import LMState, check_tokens, length_mask
 from .vocab import SPECIALS, EncodeStats, Vocabulary
 
-PREFIX = "hf:"
 SHIFT = len(SPECIALS)  # the tokenizer's id i is our i + SHIFT
 # model_type values whose attention takes a 4-D mask and explicit position ids as they are (tested)
 TREE_TYPES = frozenset({"gpt2", "llama"})
+# On a CPU the 4-D mask's dense attention (square in the nodes) outgrows what sharing saves past a few hundred
+# nodes per row: dev 50-best tries run as sub-tries of at most this many (docs/benchmarks.md, "bench_hf")
+CPU_TREE_NODES = 128
 log = logging.getLogger(__name__)
-
-
-def is_hf(spec: str | os.PathLike | None) -> bool:
-    return spec is not None and str(spec).startswith(PREFIX)
 
 
 class HFVocabulary(Vocabulary):
@@ -105,6 +104,15 @@ class HFVocabulary(Vocabulary):
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [SPECIALS[i] if i < SHIFT else self.tok.convert_ids_to_tokens(i - SHIFT) for i in ids]
+
+    def sample_words(self) -> list[str]:
+        """The tokenizer's pieces that are whole words after a space (one token each)."""
+        out = []
+        for i in range(len(self.words) - SHIFT):
+            w = self.tok.decode([i]).strip()
+            if w.isalpha() and self.pieces(w) == (i + SHIFT,):
+                out.append(w)
+        return out
 
     def to_dict(self) -> dict:
         return {"tokenizer": {"kind": "hf", "spec": self.spec}}
@@ -185,6 +193,7 @@ class HFCausalLM(torch.nn.Module):
     aux_loss = None
     after_step = None
     max_history = None
+    max_tree_nodes: int | None = None
 
     def __init__(self, hf_model, vocab: HFVocabulary, name: str):
         super().__init__()
@@ -233,9 +242,8 @@ class HFCausalLM(torch.nn.Module):
         B, T = tokens.shape
         if T == 0:
             return tokens.new_zeros((B, 0), dtype=torch.float32), state
-        logp, new = self._run(tokens, state, lengths, include_last=False)  # (B, T, V_hf)
-        target = self.to_hf[tokens]
-        out = logp.gather(2, target[:, :, None])[:, :, 0]
+        logits, new = self._run(tokens, state, lengths, include_last=False)  # (B, T, V_hf)
+        out = logits.gather(2, self.to_hf[tokens][:, :, None])[:, :, 0] - torch.logsumexp(logits, -1)
         if lengths is not None:
             out = out.masked_fill(~length_mask(lengths, T), 0.0)
         return out, new
@@ -243,9 +251,9 @@ class HFCausalLM(torch.nn.Module):
     def step(self, tokens: Tensor, state: HFState, lengths: Tensor | None = None) -> tuple[Tensor, HFState]:
         lengths = check_tokens(tokens, state, self.cfg.vocab_size, lengths)
         B, T = tokens.shape
-        logp, new = self._run(tokens, state, lengths, include_last=True)  # (B, T+1, V_hf)
+        logits, new = self._run(tokens, state, lengths, include_last=True)  # (B, T+1, V_hf)
         idx = lengths if lengths is not None else torch.full((B,), T, device=tokens.device)
-        last = logp[torch.arange(B, device=tokens.device), idx]  # (B, V_hf)
+        last = torch.log_softmax(logits[torch.arange(B, device=tokens.device), idx], -1)  # (B, V_hf)
         return last.index_select(1, self.to_hf), new
 
     # ---- running the model --------------------------------------------------------------------
@@ -263,8 +271,9 @@ class HFCausalLM(torch.nn.Module):
 
     def _check_positions(self, last_position: int) -> None:
         if self.max_positions is not None and last_position >= self.max_positions:
-            raise ValueError(f"{self.cfg.name}: a hypothesis needs position {last_position}, past the model's "
-                             f"{self.max_positions} positions")
+            raise WorkLimitError(f"{self.cfg.name}: a hypothesis needs position {last_position}, past the model's "
+                                 f"{self.max_positions} positions (positions 0..{self.max_positions - 1}): send "
+                                 "shorter hypotheses")
 
     def _run(self, tokens: Tensor, state: HFState, lengths: Tensor | None, include_last: bool):
         B, T = tokens.shape
@@ -286,12 +295,11 @@ class HFCausalLM(torch.nn.Module):
         mask = torch.cat([old, attend], 1).long()
         ids = self.to_hf[inputs.masked_fill(~real, 0)]
         logits, kv = self._forward(ids, list(zip(state.keys, state.values)), mask, positions)
-        logp = torch.log_softmax(logits.float(), -1)
         new_mask = torch.cat([old, cached], 1)
         pending = state.last if lengths is None and T == 0 else self._next_pending(tokens, state.last, lengths)
         new = HFState([k for k, _ in kv], [v for _, v in kv], None if bool(new_mask.all()) else new_mask,
                       state.pos + n, pending)
-        return logp, new
+        return logits.float(), new
 
     @staticmethod
     def _next_pending(tokens: Tensor, last: Tensor, lengths: Tensor | None) -> Tensor:
@@ -313,23 +321,29 @@ class HFCausalLM(torch.nn.Module):
         par = torch.where(real, parents, -1) + 1  # (B, N) parent's input position; 0 = BOS
         if bool(((par < 0) | (par > torch.arange(N, device=dev)[None])).any()):
             raise ValueError("every parent must come before its child in the row")
+        up = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), par], 1)  # (B, N+1) parent; BOS: itself
+        cur = torch.arange(N + 1, device=dev).expand(B, N + 1)
         anc = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)
-        anc[:, 0, 0] = True
         depth = torch.zeros(B, N + 1, dtype=torch.long, device=dev)
-        rows = torch.arange(B, device=dev)
-        for i in range(N):  # parents come first: each node's row is its parent's plus itself
-            p = par[:, i]
-            anc[:, i + 1] = anc[rows, p]
-            anc[:, i + 1, i + 1] = True
-            depth[:, i + 1] = depth[rows, p] + 1
+        while True:  # walk every node up to BOS at once: as many steps as the deepest node
+            anc.scatter_(2, cur[:, :, None], True)
+            if not bool(cur.any()):
+                break
+            depth += cur > 0
+            cur = up.gather(1, cur)
         if N:
             self._check_positions(int(depth.max()) - 1)
         ids = torch.cat([self.to_hf[torch.zeros(B, 1, dtype=torch.long, device=dev)],
                          self.to_hf[tokens.masked_fill(~real, 0)]], 1)
-        logits, _ = self._forward(ids, None, anc[:, None], depth)
-        logp = torch.log_softmax(logits.float(), -1)  # (B, N+1, V)
-        at_parent = logp.gather(1, par[:, :, None].expand(B, N, logp.shape[2]))  # (B, N, V)
-        out = at_parent.gather(2, self.to_hf[tokens.masked_fill(~real, 0)][:, :, None])[:, :, 0]
+        # a leaf's own output is never read and no node attends to it: past the positions it may sit on the last
+        # additive rather than boolean: CPU attention runs a float mask in its fused kernel (~1.6x here)
+        dtype = next(self.hf.parameters()).dtype
+        mask = torch.zeros(anc.shape, dtype=dtype, device=dev).masked_fill_(~anc, torch.finfo(dtype).min)
+        logits, _ = self._forward(ids, None, mask[:, None], depth.clamp(max=(self.max_positions or 2**30) - 1))
+        logits = logits.float().flatten(0, 1)  # (B*(N+1), V)
+        at = (par + torch.arange(B, device=dev)[:, None] * (N + 1)).flatten()  # each node's parent's output
+        target = self.to_hf[tokens.masked_fill(~real, 0)].flatten()
+        out = (logits[at, target] - torch.logsumexp(logits, -1)[at]).view(B, N)
         return out.masked_fill(~real, 0.0)
 
     def _tree_plan(self, n_rows: int, max_nodes: int, total_nodes: int, max_depth: int, path_len: int,
@@ -350,7 +364,7 @@ def load_hf(spec: str | os.PathLike, device="cpu", precision: str = "fp32"):
     from .device import pick_dtype
 
     dtype = pick_dtype(precision)
-    path = Path(str(spec)[len(PREFIX):])
+    path = Path(str(spec)[len(HF_PREFIX):])
     try:
         import transformers
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -387,11 +401,15 @@ def load_hf(spec: str | os.PathLike, device="cpu", precision: str = "fp32"):
         if not getattr(tokenizer, "is_fast", False) and not hasattr(tokenizer, "encode"):
             raise CheckpointError(f"{spec}: the tokenizer cannot encode text")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, use_safetensors=True,
-                                                         local_files_only=True, dtype=torch.float32,
-                                                         attn_implementation="sdpa")
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, trust_remote_code=False, use_safetensors=True, local_files_only=True, dtype=torch.float32,
+                attn_implementation="sdpa", output_loading_info=True)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{spec}: the weights do not load ({str(e).splitlines()[0][:200]})") from None
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:  # transformers would start them from random numbers
+            raise CheckpointError(f"{spec}: the weights lack {len(missing)} of the model's tensors (e.g. "
+                                  f"{missing[0]}): they were saved from another architecture")
     finally:
         transformers.logging.set_verbosity(quiet)
         transformers.logging.enable_progress_bar()
@@ -401,8 +419,14 @@ def load_hf(spec: str | os.PathLike, device="cpu", precision: str = "fp32"):
                               f"{rows} rows: they do not belong together")
     vocab = HFVocabulary(tokenizer, path.name)
     model.to(device=device, dtype=dtype).eval()
-    lm = HFCausalLM(model, vocab, str(path.name)).to(device)
+    try:
+        lm = HFCausalLM(model, vocab, str(path.name)).to(device)
+    except Exception as e:  # the probe forward: a model that does not run with a key/value cache
+        raise CheckpointError(f"{spec}: model_type {config.model_type!r} does not run as a causal LM with a "
+                              f"key/value cache ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
     lm.eval()
+    if torch.device(device).type == "cpu":  # dense tree attention: sub-tries of this many nodes ran fastest here
+        lm.max_tree_nodes = CPU_TREE_NODES
     if lm.score_tree is None:
         log.warning("%s: model_type %r: no prefix sharing (tree attention is tested for %s); scoring padded rows",
                     spec, lm.model_type, ", ".join(sorted(TREE_TYPES)))

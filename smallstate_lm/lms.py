@@ -15,6 +15,14 @@ if TYPE_CHECKING:
     from .ngram import NgramLM
 
 
+HF_PREFIX = "hf:"  # --lm hf:DIR: a Hugging Face causal LM directory (smallstate_lm.hf)
+
+
+def is_hf(spec: str | Path | None) -> bool:
+    """Whether an --lm value names a Hugging Face model directory (`hf:DIR`) rather than a run of ours."""
+    return spec is not None and str(spec).startswith(HF_PREFIX)
+
+
 def load_lms(lm: str | Path | None, ngram: str | Path | None, device: "str | torch.device" = "auto",
              required: bool = True, precision: str = "fp32") -> tuple["LoadedModel | None", "NgramLM | None"]:
     """(the neural LM on `device` in `precision` or None, the n-gram or None). `required`: at least one

@@ -151,6 +151,10 @@ class StatefulLM(Protocol):
     #: max_work_bytes) -> the plan (one pass or blocked) and its working bytes, before any work.
     tree_plan: Callable[..., Any] | None
 
+    #: With score_tree, or None: the most nodes one row of score_tree should hold (its attention is dense in the
+    #: nodes, so bigger tries run faster as sub-tries); None = no limit beyond the working-memory cap.
+    max_tree_nodes: int | None
+
     #: Full distributions, or None: log_probs_all(tokens (B, T), state, lengths | None)
     #: -> (logp (B, T, V), state after the tokens), logp[b, t] = log p(. | history,
     #: tokens[b, :t]); 0 at padding. What distillation needs of a teacher and a student.

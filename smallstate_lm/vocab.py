@@ -119,6 +119,10 @@ class Vocabulary:
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.words[i] for i in ids]
 
+    def sample_words(self) -> list[str]:
+        """Words to time the LM on (the service's cost model): ones the LM takes as one token each."""
+        return self.words[4:]
+
     # ---- persistence --------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"words": list(self.words), "lowercase": self.lowercase}

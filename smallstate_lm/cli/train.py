@@ -49,8 +49,8 @@ _STUDENT = {
 }
 # distill's options (fields of TrainConfig and DistillConfig), in the order its help lists them
 _DISTILL_OPTIONS = ("teacher", "preset", "train", "valid", "out", "lam", "temperature", "top_k", "sampled",
-                    "teacher_cache", "max_minutes", "clock", "max_steps", "max_epochs", "lr", "warmup_steps", "batch_tokens",
-                    "valid_every", "patience", "seed", "overrides", "device", "progress")
+                    "teacher_cache", "max_minutes", "clock", "max_steps", "max_epochs", "lr", "warmup_steps",
+                    "batch_tokens", "valid_every", "patience", "seed", "overrides", "device", "progress")
 _DISTILL_PARAMS = {**options(TrainConfig, _STUDENT), **options(DistillConfig)}
 
 

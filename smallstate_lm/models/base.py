@@ -241,6 +241,7 @@ class LanguageModel(nn.Module):
     score_tree: Callable[..., Tensor] | None = None
     # Present with score_tree: its plan and working memory for a batch of tries, before any work.
     tree_plan: Callable[..., Any] | None = None
+    max_tree_nodes: int | None = None
     log_probs_all: Callable[..., tuple[Tensor, LMState]] | None = None
     aux_loss: Callable[[], Tensor] | None = None
     after_step: Callable[[], None] | None = None

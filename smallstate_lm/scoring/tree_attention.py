@@ -80,7 +80,11 @@ class TreePlanner:
         return batches, nodes, peak
 
     def fits(self, size: TreeSize) -> bool:
-        """Whether score_tree can run a batch of that size within the cap."""
+        """Whether score_tree can run a batch of that size within the cap (and the model's `max_tree_nodes`
+        per row: a model whose tree attention is dense is faster on smaller sub-tries)."""
+        limit = self.model.max_tree_nodes
+        if limit is not None and size.max_nodes > limit:
+            return False
         return self.max_work_bytes is None or size.nbytes(self.model, self.max_work_bytes) <= self.max_work_bytes
 
     def split(self, u: int, hyps: list[list[int]]) -> list[TreeRow]:

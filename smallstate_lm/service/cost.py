@@ -143,7 +143,9 @@ def calibrate(neural, ngram) -> CostModel:
 def _calibrate_tree(cm: CostModel, neural) -> None:
     """Two tries of about the same nodes, shallow and as deep as long hypotheses go: per node = node_s +
     node_depth_s * depth; a small one for what a call costs beyond its nodes; and a batch of small lists."""
-    vocab = neural.vocab.words[4:] or ["a"]
+    vocab = neural.vocab.sample_words() or ["a"]
+    # as deep as long hypotheses go, within the model's positions (a Hugging Face LM has a fixed number)
+    long = min(128, (getattr(neural.model.cfg, "max_positions", None) or 2**30) - 2)
 
     def hypotheses(hyps: int, length: int) -> list[list[str]]:
         rng = random.Random(hyps * 1000 + length)
@@ -151,11 +153,11 @@ def _calibrate_tree(cm: CostModel, neural) -> None:
 
     rng = random.Random(7)  # 32 utterances of 5 hypotheses of 12 words, as a batch of small requests
     groups = [[[rng.choice(vocab) for _ in range(12)] for _ in range(5)] for _ in range(32)]
-    tries = [[hypotheses(64, 8)], [hypotheses(4, 128)], [hypotheses(1, 16)], groups]
+    tries = [[hypotheses(64, 8)], [hypotheses(4, long)], [hypotheses(1, 16)], groups]
     nodes = [max(1, neural.estimate_cost(t).trie_nodes) for t in tries]
     seconds = fastest_seconds(*[lambda t=t: neural.token_logprobs(t) for t in tries])
     (s1, s2, s3, s4) = (s / n for s, n in zip(seconds, nodes))
-    d1, d2 = 9, 129  # depths (with </s>)
+    d1, d2 = 9, long + 1  # depths (with </s>)
     slope = max(0.0, (s2 - s1) / (d2 - d1))
     cm.node_depth_s, cm.node_s = slope, max(1e-9, s1 - slope * d1)
     cm.call_s = max(0.0, nodes[2] * (s3 - cm.per_node(17)))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from smallstate_lm.errors import ConfigError
 
+from ..lms import HF_PREFIX, is_hf
 from .board import Board
 from .settings import Settings
 
@@ -101,6 +102,8 @@ def _check_files(settings: Settings) -> None:
     line before anything starts."""
     for key in ("lm", "ngram", "weights"):
         path = getattr(settings, key)
+        if key == "lm" and is_hf(path):
+            path = str(path)[len(HF_PREFIX):]
         if path is None or os.path.isdir(path):
             continue
         try:

@@ -118,7 +118,7 @@ class Engine:
         """A sentence and a two-word lattice: the first real request then finds every code path (kernels,
         allocator, KenLM pages) warm."""
         models = self.models
-        words = models.loaded.vocab.words[3:8] if models.loaded is not None else ["the", "of", "and"]
+        words = (models.loaded.vocab.sample_words()[:5] if models.loaded is not None else []) or ["the", "of", "and"]
         lists = []
         if models.neural is not None:
             ids = np.array(models.neural.encode(words), dtype=np.int64)
