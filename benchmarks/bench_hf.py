@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from common import command, machine, write_section  # noqa: E402
 
-from smallstate_lm.checkpoint import load_model  # noqa: E402
+from smallstate_lm.lms import load_neural as load_model  # noqa: E402
 from smallstate_lm.models import build_model, count_parameters, get_preset  # noqa: E402
 from smallstate_lm.rescoring.nbest.lists import read_nbest  # noqa: E402
 from smallstate_lm.scoring.scorer import NeuralScorer  # noqa: E402

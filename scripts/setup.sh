@@ -44,8 +44,8 @@ fi
 STAMP="$VENV/.smallstate-install"
 want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
-  log "installing smallstate-lm with dev extras"
-  "$PY" -m pip install -q -e ".[dev]"
+  log "installing smallstate-lm with dev and hf extras"
+  "$PY" -m pip install -q -e ".[dev,hf]"
   echo "$want" > "$STAMP"
 fi
 # bytecode for the editable install, as a wheel install would have: every command starts faster

@@ -185,12 +185,6 @@ def load_model(
     fp16), and `self_check` it in that precision (fp16 overflow shows there); every failure is a
     CheckpointError naming the file."""
     from .device import pick_dtype, settle_attention_backend
-    from .lms import is_hf
-
-    if is_hf(path):
-        from .hf import load_hf
-
-        return load_hf(path, device, precision)
     dtype = pick_dtype(precision)
     path, obj = read_checkpoint(path, default_file)
     try:

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import load_model
 from .data import encode_sentences, eval_batches, perplexity
 from .files import read_sentences
+from .lms import load_neural
 from .models import count_parameters
 from .scoring.words import per_word
 from .state import pad_batch
@@ -79,7 +79,7 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
     """Everything `smallstate-lm eval` reports, as a JSON-able dict. With `ngram` (a
     KenLM file), also the n-gram's perplexity on the same tokens and the linear
     interpolation of the two with the best weight."""
-    lm = load_model(model_path, device, precision=precision)
+    lm = load_neural(model_path, device, precision=precision)
     sentences = read_sentences(text)
     stats = EncodeStats()
     seqs = encode_sentences(sentences, lm.vocab, stats)

@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from .errors import CheckpointError, ConfigError, WorkLimitError
-from .lms import HF_PREFIX
 from .state import LMState, check_tokens, length_mask
 from .vocab import SPECIALS, EncodeStats, Vocabulary
 
@@ -335,15 +334,27 @@ class HFCausalLM(torch.nn.Module):
             self._check_positions(int(depth.max()) - 1)
         ids = torch.cat([self.to_hf[torch.zeros(B, 1, dtype=torch.long, device=dev)],
                          self.to_hf[tokens.masked_fill(~real, 0)]], 1)
-        # a leaf's own output is never read and no node attends to it: past the positions it may sit on the last
+        # Only BOS and the nodes that are a parent run through the model: a leaf (every `</s>`) is read at its
+        # parent's output and no node attends to it. Those inputs first in each row, in order.
+        inner = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)
+        inner.scatter_(1, par.masked_fill(~real, 0), True)
+        M = int(inner.sum(1).max())
+        order = torch.argsort((~inner).to(torch.int8), dim=1, stable=True)[:, :M]  # (B, M) old positions
+        new_of = torch.zeros(B, N + 1, dtype=torch.long, device=dev).scatter_(
+            1, order, torch.arange(M, device=dev).expand(B, M))
+        anc = anc.gather(1, order[:, :, None].expand(B, M, N + 1)).gather(2, order[:, None, :].expand(B, M, M))
         # additive rather than boolean: CPU attention runs a float mask in its fused kernel (~1.6x here)
         dtype = next(self.hf.parameters()).dtype
         mask = torch.zeros(anc.shape, dtype=dtype, device=dev).masked_fill_(~anc, torch.finfo(dtype).min)
-        logits, _ = self._forward(ids, None, mask[:, None], depth.clamp(max=(self.max_positions or 2**30) - 1))
-        logits = logits.float().flatten(0, 1)  # (B*(N+1), V)
-        at = (par + torch.arange(B, device=dev)[:, None] * (N + 1)).flatten()  # each node's parent's output
+        positions = depth.gather(1, order).clamp(max=(self.max_positions or 2**30) - 1)  # padding: anywhere
+        # the decoder's hidden states, then the output layer only at the rows a log-prob is read from
+        hidden = self.hf.base_model(input_ids=ids.gather(1, order), attention_mask=mask[:, None],
+                                    position_ids=positions, use_cache=False).last_hidden_state.flatten(0, 1)
+        at = (new_of.gather(1, par) + torch.arange(B, device=dev)[:, None] * M).flatten()  # each node's parent
+        rows, inverse = torch.unique(at, return_inverse=True)
+        logits = self.hf.get_output_embeddings()(hidden[rows]).float()  # (rows, V)
         target = self.to_hf[tokens.masked_fill(~real, 0)].flatten()
-        out = (logits[at, target] - torch.logsumexp(logits, -1)[at]).view(B, N)
+        out = (logits[inverse, target] - torch.logsumexp(logits, -1)[inverse]).view(B, N)
         return out.masked_fill(~real, 0.0)
 
     def _tree_plan(self, n_rows: int, max_nodes: int, total_nodes: int, max_depth: int, path_len: int,
@@ -357,14 +368,16 @@ class HFCausalLM(torch.nn.Module):
         return TreePlan(False, 0, int(nbytes))
 
 
-def load_hf(spec: str | os.PathLike, device="cpu", precision: str = "fp32"):
-    """`hf:DIR` -> a LoadedModel; every failure is one CheckpointError/ConfigError naming the directory. Never
-    runs code from the directory (trust_remote_code=False) and reads safetensors weights only."""
+def load_hf(path: str | os.PathLike, device="cpu", precision: str = "fp32", spec: str | None = None):
+    """The model directory `path` -> a LoadedModel; every failure is one CheckpointError/ConfigError naming it
+    (as `spec`, what the user wrote). Never runs code from the directory (trust_remote_code=False) and reads
+    safetensors weights only."""
     from .checkpoint import LoadedModel
     from .device import pick_dtype
 
     dtype = pick_dtype(precision)
-    path = Path(str(spec)[len(HF_PREFIX):])
+    path = Path(path)
+    spec = spec or str(path)
     try:
         import transformers
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

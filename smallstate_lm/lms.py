@@ -23,6 +23,17 @@ def is_hf(spec: str | Path | None) -> bool:
     return spec is not None and str(spec).startswith(HF_PREFIX)
 
 
+def load_neural(spec: str | Path, device: "str | torch.device" = "cpu", precision: str = "fp32") -> "LoadedModel":
+    """A neural LM by what `--lm` says: a run directory or checkpoint of ours, or `hf:DIR`."""
+    if is_hf(spec):
+        from .hf import load_hf
+
+        return load_hf(str(spec)[len(HF_PREFIX):], device, precision, spec=str(spec))
+    from .checkpoint import load_model
+
+    return load_model(spec, device, precision=precision)
+
+
 def load_lms(lm: str | Path | None, ngram: str | Path | None, device: "str | torch.device" = "auto",
              required: bool = True, precision: str = "fp32") -> tuple["LoadedModel | None", "NgramLM | None"]:
     """(the neural LM on `device` in `precision` or None, the n-gram or None). `required`: at least one
@@ -34,8 +45,7 @@ def load_lms(lm: str | Path | None, ngram: str | Path | None, device: "str | tor
         raise ConfigError("give a neural LM (--lm DIR), an n-gram (--ngram FILE), or both")
     loaded = None
     if lm is not None:
-        from .checkpoint import load_model
         from .device import pick_device
 
-        loaded = load_model(lm, pick_device(device) if isinstance(device, str) else device, precision=precision)
+        loaded = load_neural(lm, pick_device(device) if isinstance(device, str) else device, precision=precision)
     return loaded, (NgramLM(ngram) if ngram is not None else None)

@@ -17,6 +17,7 @@ LAYERS = {
     "state": (CORE, "core"), "device": (CORE, "core"),
     "models": (MODELS, "models"),
     "checkpoint": (SCORING, "scoring"), "ngram": (SCORING, "scoring"), "scoring": (SCORING, "scoring"),
+    "hf": (SCORING, "scoring"),
     "weights": (SCORING, "scoring"), "lms": (SCORING, "scoring"),
     "rescoring": (WORK, "rescoring"),
     "data": (WORK, "training"), "evaluate": (WORK, "training"), "train": (WORK, "training"),

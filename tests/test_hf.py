@@ -14,8 +14,8 @@ from test_state_tradeoff import module
 
 transformers = pytest.importorskip("transformers")
 
-from smallstate_lm.checkpoint import load_model  # noqa: E402
 from smallstate_lm.errors import WorkLimitError  # noqa: E402
+from smallstate_lm.lms import load_neural as load_model  # noqa: E402
 from smallstate_lm.scoring.scorer import NeuralScorer  # noqa: E402
 from smallstate_lm.scoring.trie import PrefixTrie  # noqa: E402
 from smallstate_lm.state import pad_batch  # noqa: E402
