@@ -110,6 +110,21 @@ ngram() {
   [ -s "$TMP/ngram/lm3.bin" ] || fail "no lm3.bin written"
 }
 
+hf_lm() {
+  # the hf extra in the image: a small GPT-2 made there (tokenizer trained on the bundled text, random
+  # weights), then `eval --model hf:DIR` on the dev text, as the image's user
+  mkdir -p "$TMP/hf" && chmod 777 "$TMP/hf"
+  CONTAINERS+=("$NAME-hf")
+  docker run --rm --name "$NAME-hf" --entrypoint python3 -v "$ROOT/scripts:/scripts:ro" -v "$ROOT/data:/data:ro" \
+    -v "$TMP/hf:/out" "$IMAGE" /scripts/make_hf_model.py --arch gpt2 --text /data/train.txt --lines 2000 \
+    --vocab-size 300 --d-model 32 -o /out/gpt2 >"$TMP/hf.log" 2>&1 \
+    || { tail -n 20 "$TMP/hf.log" >&2; fail "making a Hugging Face model in the container failed"; }
+  docker run --rm --name "$NAME-hf" --entrypoint smallstate-lm -v "$TMP/hf/gpt2:/hf:ro" -v "$ROOT/data:/data:ro" \
+    "$IMAGE" eval --model hf:/hf --text /data/dev.txt >"$TMP/hf.log" 2>&1 \
+    || { tail -n 20 "$TMP/hf.log" >&2; fail "eval --model hf:DIR in the container failed"; }
+  grep -q '^perplexity' "$TMP/hf.log" || fail "eval --model hf:DIR printed no perplexity"
+}
+
 start() {
   CONTAINERS+=("$NAME")
   # shellcheck disable=SC2086
@@ -249,6 +264,7 @@ start_ready() { start; ready; }
 step "base image" make_base
 step "docker build" build
 step "n-gram in the container (lmplz, build_binary)" ngram
+step "a Hugging Face LM in the container (eval --model hf:DIR)" hf_lm
 step "service start, until /readyz is 200" start_ready
 step "/rescore, n-best list" rescore_nbest
 step "/rescore, lattice (HTK SLF)" rescore_lattice
