@@ -193,6 +193,7 @@ class HFCausalLM(torch.nn.Module):
     after_step = None
     max_history = None
     max_tree_nodes: int | None = None
+    max_positions: int | None = None
 
     def __init__(self, hf_model, vocab: HFVocabulary, name: str):
         super().__init__()
@@ -362,7 +363,8 @@ class HFCausalLM(torch.nn.Module):
         from .models.transformer import TreePlan
 
         c, M = self.cfg, n_rows * (max_nodes + 1)
-        # logits and log-probs (twice: the gather at parents), the ancestor mask, each layer's stream and cache
+        # the output layer's logits (at most a row per node), the ancestor mask before and after it keeps the
+        # parents (bool, then float per head in attention), each layer's stream and keys/values
         nbytes = 12 * M * (c.vocab_size - SHIFT) + n_rows * (max_nodes + 1) ** 2 * (1 + 4 * c.n_heads) \
             + 4 * M * (8 * c.d_model + c.d_ff + self.state_numel_per_position())
         return TreePlan(False, 0, int(nbytes))

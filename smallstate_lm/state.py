@@ -155,6 +155,10 @@ class StatefulLM(Protocol):
     #: nodes, so bigger tries run faster as sub-tries); None = no limit beyond the working-memory cap.
     max_tree_nodes: int | None
 
+    #: Most positions a sequence may take, `<s>` included (a Hugging Face LM's learned or trained positions),
+    #: or None: no limit. Past it `score` raises WorkLimitError.
+    max_positions: int | None
+
     #: Full distributions, or None: log_probs_all(tokens (B, T), state, lengths | None)
     #: -> (logp (B, T, V), state after the tokens), logp[b, t] = log p(. | history,
     #: tokens[b, :t]); 0 at padding. What distillation needs of a teacher and a student.

@@ -242,6 +242,7 @@ class LanguageModel(nn.Module):
     # Present with score_tree: its plan and working memory for a batch of tries, before any work.
     tree_plan: Callable[..., Any] | None = None
     max_tree_nodes: int | None = None
+    max_positions: int | None = None
     log_probs_all: Callable[..., tuple[Tensor, LMState]] | None = None
     aux_loss: Callable[[], Tensor] | None = None
     after_step: Callable[[], None] | None = None

@@ -145,7 +145,7 @@ def _calibrate_tree(cm: CostModel, neural) -> None:
     node_depth_s * depth; a small one for what a call costs beyond its nodes; and a batch of small lists."""
     vocab = neural.vocab.sample_words() or ["a"]
     # as deep as long hypotheses go, within the model's positions (a Hugging Face LM has a fixed number)
-    long = min(128, (getattr(neural.model.cfg, "max_positions", None) or 2**30) - 2)
+    long = min(128, (neural.model.max_positions or 2**30) - 2)
 
     def hypotheses(hyps: int, length: int) -> list[list[str]]:
         rng = random.Random(hyps * 1000 + length)
