@@ -257,3 +257,18 @@ def test_blocks_larger_than_the_output_layers_logit_chunk_stay_within_the_plan(m
         blocked = model.score_tree(tokens, parents, lengths, max_work_bytes=cap)
     assert mem.peak <= plan.nbytes
     assert (blocked - dense).abs().max() <= TOL
+
+
+def test_a_sorted_trie_is_the_prefix_trie_of_its_sequences():
+    """What sub-tries are built with (their hypotheses come sorted): the same nodes, tokens and parents."""
+    from smallstate_lm.scoring.trie import SortedTrie
+
+    rng = random.Random(3)
+    for _ in range(200):
+        seqs = sorted([rng.randint(3, 6) for _ in range(rng.randint(1, 6))] + [EOS_ID]
+                      for _ in range(rng.randint(1, 30)))
+        a, b = PrefixTrie(seqs), SortedTrie.build(seqs)
+        assert a.n_nodes == b.n_nodes == trie_size(seqs).total_nodes
+        for s, pa, pb in zip(seqs, a.node_paths, b.node_paths):
+            assert [b.node_token[n] for n in pb] == [a.node_token[n] for n in pa] == s
+            assert [b.node_parent[n] for n in pb] == [0] + pb[:-1]

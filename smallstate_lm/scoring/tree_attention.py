@@ -12,7 +12,7 @@ from torch import nn
 
 from ..errors import WorkLimitError
 from ..state import pad_batch
-from .trie import PrefixTrie, TreeSize, sorted_groups, trie_size
+from .trie import PrefixTrie, SortedTrie, TreeSize, sorted_groups, trie_size
 
 # The working memory (bytes) a scorer lets one tree-attention call hold unless told
 # otherwise: small beside a server's memory, ample for n-best lists of ordinary size
@@ -39,6 +39,7 @@ class TreeRow:
     hyps: list[int]
     size: TreeSize
     trie: PrefixTrie | None = None
+    sorted: bool = False  # hyps in the sorted order of their sequences (a sub-trie's)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class TreePlanner:
     def split(self, u: int, hyps: list[list[int]]) -> list[TreeRow]:
         """Utterance u's hypotheses cut into sub-tries that fit the cap, in sorted order so
         that the hypotheses sharing a prefix stay together."""
-        return [TreeRow(u, group, size) for group, size in sorted_groups(hyps, self.fits)]
+        return [TreeRow(u, group, size, sorted=True) for group, size in sorted_groups(hyps, self.fits)]
 
     def run(self, encoded, out, device, sizes: list[TreeSize] | None = None) -> int:
         """Tree attention over each utterance's trie (or its sub-tries), batched as planned; `out[u][j]` gets
@@ -103,7 +104,8 @@ class TreePlanner:
                                  "MiB): raise it, or send shorter hypotheses")
         computed = 0
         for batch in batches:
-            tries = [r.trie or PrefixTrie([encoded[r.utt][j] for j in r.hyps]) for r in batch]
+            tries = [r.trie or (SortedTrie.build if r.sorted else PrefixTrie)([encoded[r.utt][j] for j in r.hyps])
+                     for r in batch]
             tokens, lengths = pad_batch([t.node_token[1:] for t in tries], device)
             parents, _ = pad_batch([[p - 1 for p in t.node_parent[1:]] for t in tries], device)
             plan = sum((r.size for r in batch), TreeSize()).plan(self.model, self.max_work_bytes)

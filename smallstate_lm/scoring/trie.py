@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -122,6 +122,37 @@ class PrefixTrie:
     @property
     def n_levels(self) -> int:
         return 1 + max(self.seg_level, default=-1)
+
+
+class SortedTrie(NamedTuple):
+    """The nodes of the prefix trie of sequences already in sorted order, what tree attention reads of a
+    `PrefixTrie` (`node_token`, `node_parent`, `node_paths`, `n_nodes`), built without a dict per node: each
+    sequence shares with the trie exactly its common prefix with the sequence before it."""
+
+    node_token: list[int]
+    node_parent: list[int]
+    node_paths: list[list[int]]
+    n_nodes: int
+
+    @classmethod
+    def build(cls, seqs: Sequence[Sequence[int]]) -> SortedTrie:
+        token, parent, paths = [-1], [-1], []
+        prev: Sequence[int] = ()
+        prev_path: list[int] = []
+        for s in seqs:
+            c, n = 0, min(len(s), len(prev))
+            while c < n and s[c] == prev[c]:
+                c += 1
+            path = prev_path[:c]
+            node = path[-1] if c else 0
+            for t in s[c:]:
+                token.append(t)
+                parent.append(node)
+                node = len(token) - 1
+                path.append(node)
+            paths.append(path)
+            prev, prev_path = s, path
+        return cls(token, parent, paths, len(token) - 1)
 
 
 def trie_size(seqs: Sequence[Sequence[int]]) -> TreeSize:
