@@ -4,6 +4,7 @@ batch of tries."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -86,7 +87,19 @@ class TreePlanner:
         limit = self.model.max_tree_nodes
         if limit is not None and size.max_nodes > limit:
             return False
+        if size.n_rows == 1 and self._rows_under_the_limit_fit:
+            return True
         return self.max_work_bytes is None or size.nbytes(self.model, self.max_work_bytes) <= self.max_work_bytes
+
+    @functools.cached_property
+    def _rows_under_the_limit_fit(self) -> bool:
+        """Whether every one-row trie within the model's `max_tree_nodes` fits the cap: the largest such row (its
+        most nodes, depth and paths) decides, and splitting an utterance then plans no pass per hypothesis."""
+        limit = self.model.max_tree_nodes
+        if limit is None or self.max_work_bytes is None:
+            return False
+        worst = TreeSize(1, limit, limit, limit, limit * (limit + 1))
+        return worst.nbytes(self.model, self.max_work_bytes) <= self.max_work_bytes
 
     def split(self, u: int, hyps: list[list[int]]) -> list[TreeRow]:
         """Utterance u's hypotheses cut into sub-tries that fit the cap, in sorted order so
