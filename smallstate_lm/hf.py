@@ -23,16 +23,18 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .errors import CheckpointError, ConfigError, WorkLimitError
+from .models.base import PendingTokenLM, tree_inputs
+from .models.transformer import TreePlan
 from .state import LMState, check_tokens, length_mask
-from .vocab import SPECIALS, EncodeStats, Vocabulary
+from .subword import PieceVocabulary
+from .vocab import SPECIALS
 
 SHIFT = len(SPECIALS)  # the tokenizer's id i is our i + SHIFT
 # model_type values whose attention takes a 4-D mask and explicit position ids as they are (tested)
@@ -43,12 +45,9 @@ CPU_TREE_NODES = 128
 log = logging.getLogger(__name__)
 
 
-class HFVocabulary(Vocabulary):
-    """The tokenizer's pieces behind the Vocabulary interface (as `subword.SubwordVocabulary`): `encode(words)`
-    gives each word's pieces end to end. A word is out of vocabulary when a piece of it is the unknown token
-    (a byte-level tokenizer has none: every word is encodable)."""
-
-    subword = True
+class HFVocabulary(PieceVocabulary):
+    """A Hugging Face tokenizer's pieces as the LM's tokens. A word is out of vocabulary when a piece of it is the
+    unknown token (a byte-level tokenizer has none: every word is encodable)."""
 
     def __init__(self, tokenizer, name: str):
         self.tok = tokenizer
@@ -61,7 +60,7 @@ class HFVocabulary(Vocabulary):
         bos = specials[0] if specials[0] is not None else specials[1]
         eos = specials[1] if specials[1] is not None else specials[0]
         self.special_ids = (bos, eos, specials[2] if specials[2] is not None else eos)
-        self.unk_hf = specials[2]
+        self.unk_piece = None if specials[2] is None else specials[2] + SHIFT
         n = len(tokenizer)
         self.words = list(SPECIALS) + [f"#{i}" for i in range(n)]  # ids only: pieces are not words
         self.index = {}
@@ -70,36 +69,11 @@ class HFVocabulary(Vocabulary):
         self._lead = tokenizer.encode("x", add_special_tokens=False)
         self._pieces: dict[str, tuple[int, ...]] = {}
 
-    def pieces(self, word: str) -> tuple[int, ...]:
-        p = self._pieces.get(word)
-        if p is None:
-            ids = self.tok.encode("x " + word, add_special_tokens=False)
-            if ids[: len(self._lead)] != self._lead:  # the word merged into the lead: encode it alone
-                ids = self._lead + self.tok.encode(" " + word, add_special_tokens=False)
-            p = self._pieces[word] = tuple(i + SHIFT for i in ids[len(self._lead):])
-        return p
-
-    def __contains__(self, word: str) -> bool:
-        return self.unk_hf is None or self.unk_hf + SHIFT not in self.pieces(word)
-
-    def normalise(self, word: str) -> str:
-        return word
-
-    def encode(self, words: Sequence[str], stats: EncodeStats | None = None) -> list[int]:
-        cut = [self.pieces(w) for w in words]
-        if stats is not None:
-            stats.words += len(cut)
-            stats.oov += sum(w not in self for w in words)
-        return list(chain.from_iterable(cut))
-
-    def ids(self, words: Iterable[str]) -> Iterator[int]:
-        return chain.from_iterable(map(self.pieces, words))
-
-    def token_counts(self, words: Sequence[str]) -> list[int]:
-        return [len(self.pieces(w)) for w in words]
-
-    def lengths(self, sentences: Iterable[Sequence[str]]) -> list[int]:
-        return [sum(map(len, map(self.pieces, s))) for s in sentences]
+    def _cut(self, word: str) -> tuple[int, ...]:
+        ids = self.tok.encode("x " + word, add_special_tokens=False)
+        if ids[: len(self._lead)] != self._lead:  # the word merged into the lead: encode it alone
+            ids = self._lead + self.tok.encode(" " + word, add_special_tokens=False)
+        return tuple(i + SHIFT for i in ids[len(self._lead):])
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [SPECIALS[i] if i < SHIFT else self.tok.convert_ids_to_tokens(i - SHIFT) for i in ids]
@@ -279,9 +253,7 @@ class HFCausalLM(torch.nn.Module):
         B, T = tokens.shape
         dev = tokens.device
         n = torch.full((B,), T, device=dev) if lengths is None else lengths  # real tokens per row
-        inputs = torch.cat([state.last[:, None], tokens], 1)  # the pending token, then the tokens
-        if not include_last:
-            inputs = inputs[:, :T]
+        inputs = PendingTokenLM.pending_inputs(tokens, state.last, lengths, include_last)
         Tin = inputs.shape[1]
         cols = torch.arange(Tin, device=dev)[None]
         cached = cols < n[:, None]  # what the new state keeps: the pending token and all but the last token
@@ -296,17 +268,10 @@ class HFCausalLM(torch.nn.Module):
         ids = self.to_hf[inputs.masked_fill(~real, 0)]
         logits, kv = self._forward(ids, list(zip(state.keys, state.values)), mask, positions)
         new_mask = torch.cat([old, cached], 1)
-        pending = state.last if lengths is None and T == 0 else self._next_pending(tokens, state.last, lengths)
+        pending = PendingTokenLM.next_pending(tokens, state.last, lengths)
         new = HFState([k for k, _ in kv], [v for _, v in kv], None if bool(new_mask.all()) else new_mask,
                       state.pos + n, pending)
         return logits.float(), new
-
-    @staticmethod
-    def _next_pending(tokens: Tensor, last: Tensor, lengths: Tensor | None) -> Tensor:
-        if lengths is None:
-            return tokens[:, -1] if tokens.shape[1] > 0 else last
-        picked = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-        return torch.where(lengths > 0, picked, last)
 
     # ---- prefix sharing -----------------------------------------------------------------------
     def _score_tree(self, tokens: Tensor, parents: Tensor, lengths: Tensor | None = None,
@@ -315,12 +280,7 @@ class HFCausalLM(torch.nn.Module):
         ancestors only, at position = its depth; node i's log-prob is read at its parent's output."""
         B, N = tokens.shape
         dev = tokens.device
-        if lengths is None:
-            lengths = torch.full((B,), N, dtype=torch.long, device=dev)
-        real = length_mask(lengths, N)
-        par = torch.where(real, parents, -1) + 1  # (B, N) parent's input position; 0 = BOS
-        if bool(((par < 0) | (par > torch.arange(N, device=dev)[None])).any()):
-            raise ValueError("every parent must come before its child in the row")
+        tokens, par, real, _ = tree_inputs(tokens, parents, lengths)
         up = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), par], 1)  # (B, N+1) parent; BOS: itself
         cur = torch.arange(N + 1, device=dev).expand(B, N + 1)
         anc = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)
@@ -333,8 +293,7 @@ class HFCausalLM(torch.nn.Module):
             cur = up.gather(1, cur)
         if N:
             self._check_positions(int(depth.max()) - 1)
-        ids = torch.cat([self.to_hf[torch.zeros(B, 1, dtype=torch.long, device=dev)],
-                         self.to_hf[tokens.masked_fill(~real, 0)]], 1)
+        ids = torch.cat([self.to_hf[torch.zeros(B, 1, dtype=torch.long, device=dev)], self.to_hf[tokens]], 1)
         # Only BOS and the nodes that are a parent run through the model: a leaf (every `</s>`) is read at its
         # parent's output and no node attends to it. Those inputs first in each row, in order.
         inner = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)
@@ -354,14 +313,12 @@ class HFCausalLM(torch.nn.Module):
         at = (new_of.gather(1, par) + torch.arange(B, device=dev)[:, None] * M).flatten()  # each node's parent
         rows, inverse = torch.unique(at, return_inverse=True)
         logits = self.hf.get_output_embeddings()(hidden[rows]).float()  # (rows, V)
-        target = self.to_hf[tokens.masked_fill(~real, 0)].flatten()
+        target = self.to_hf[tokens].flatten()
         out = (logits[inverse, target] - torch.logsumexp(logits, -1)[inverse]).view(B, N)
         return out.masked_fill(~real, 0.0)
 
     def _tree_plan(self, n_rows: int, max_nodes: int, total_nodes: int, max_depth: int, path_len: int,
                    max_work_bytes: int | None = None):
-        from .models.transformer import TreePlan
-
         c, M = self.cfg, n_rows * (max_nodes + 1)
         # the output layer's logits (at most a row per node), the ancestor mask before and after it keeps the
         # parents (bool, then float per head in attention), each layer's stream and keys/values

@@ -72,12 +72,50 @@ def train_tokenizer(sentences: Sequence[Sequence[str]], spec: TokenizerSpec) -> 
     return SubwordVocabulary(model.getvalue(), str(spec))
 
 
-class SubwordVocabulary(Vocabulary):
-    """A Vocabulary whose tokens are SentencePiece pieces: `encode(words)` gives each word's pieces end to end
-    (so more ids than words; `token_counts` says how many per word). A word is out of vocabulary when a piece of
-    it is `<unk>` (a character the model never saw)."""
+class PieceVocabulary(Vocabulary):
+    """The Vocabulary interface over a tokenizer's pieces: `encode(words)` gives each word's pieces end to end (so
+    more ids than words; `token_counts` says how many per word), each word cut once (`_cut`, the subclass's) and
+    cached. A word is out of vocabulary when a piece of it is `unk_piece` (None: every word can be cut)."""
 
     subword = True
+    unk_piece: int | None = UNK_ID
+
+    def _cut(self, word: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def pieces(self, word: str) -> tuple[int, ...]:
+        """The ids of `word`'s pieces."""
+        p = self._pieces.get(word)
+        if p is None:
+            p = self._pieces[word] = self._cut(word)
+        return p
+
+    def __contains__(self, word: str) -> bool:
+        return self.unk_piece is None or self.unk_piece not in self.pieces(word)
+
+    def normalise(self, word: str) -> str:
+        return word
+
+    def encode(self, words: Sequence[str], stats: EncodeStats | None = None) -> list[int]:
+        cut = [self.pieces(w) for w in words]
+        if stats is not None:
+            stats.words += len(cut)
+            stats.oov += 0 if self.unk_piece is None else sum(self.unk_piece in p for p in cut)
+        return list(chain.from_iterable(cut))
+
+    def ids(self, words: Iterable[str]) -> Iterator[int]:
+        return chain.from_iterable(map(self.pieces, words))
+
+    def token_counts(self, words: Sequence[str]) -> list[int]:
+        return [len(self.pieces(w)) for w in words]
+
+    def lengths(self, sentences: Iterable[Sequence[str]]) -> list[int]:
+        return [sum(map(len, map(self.pieces, s))) for s in sentences]
+
+
+class SubwordVocabulary(PieceVocabulary):
+    """A vocabulary whose tokens are SentencePiece pieces. A word is out of vocabulary when a piece of it is
+    `<unk>` (a character the model never saw)."""
 
     def __init__(self, model: bytes, spec: str):
         import sentencepiece as spm
@@ -96,34 +134,8 @@ class SubwordVocabulary(Vocabulary):
         self.model, self.spec, self._sp = bytes(model), spec or f"sentencepiece:{len(pieces)}", sp
         self._pieces: dict[str, tuple[int, ...]] = {}  # a word's pieces, cut once
 
-    def pieces(self, word: str) -> tuple[int, ...]:
-        """The ids of `word`'s pieces."""
-        p = self._pieces.get(word)
-        if p is None:
-            p = self._pieces[word] = tuple(self._sp.encode(word))
-        return p
-
-    def __contains__(self, word: str) -> bool:
-        return UNK_ID not in self.pieces(word)
-
-    def normalise(self, word: str) -> str:
-        return word
-
-    def encode(self, words: Sequence[str], stats: EncodeStats | None = None) -> list[int]:
-        cut = [self.pieces(w) for w in words]
-        if stats is not None:
-            stats.words += len(cut)
-            stats.oov += sum(UNK_ID in p for p in cut)
-        return list(chain.from_iterable(cut))
-
-    def ids(self, words: Iterable[str]) -> Iterator[int]:
-        return chain.from_iterable(map(self.pieces, words))
-
-    def token_counts(self, words: Sequence[str]) -> list[int]:
-        return [len(self.pieces(w)) for w in words]
-
-    def lengths(self, sentences: Iterable[Sequence[str]]) -> list[int]:
-        return [sum(map(len, map(self.pieces, s))) for s in sentences]
+    def _cut(self, word: str) -> tuple[int, ...]:
+        return tuple(self._sp.encode(word))
 
     # ---- persistence --------------------------------------------------------------
     def to_dict(self) -> dict:

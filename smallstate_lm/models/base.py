@@ -229,6 +229,25 @@ class SelfAttention(AttentionProjections):
         return self.o(y.transpose(1, 2).reshape(B, T, d)), k, new_v  # (B, T, d)
 
 
+def tree_inputs(tokens: Tensor, parents: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A `score_tree` call's arguments checked and laid out as one input row per trie, `<s>` at position 0 and
+    node i at i + 1: (tokens with padding as 0, each node's parent's position (0 = `<s>`), the real nodes' mask,
+    lengths), each (B, N) but lengths (B,). ValueError unless tokens and parents are (B, N) and every parent comes
+    before its child."""
+    if tokens.shape != parents.shape or tokens.dim() != 2:
+        raise ValueError(f"tokens and parents must both be (B, N), got {tuple(tokens.shape)}, "
+                         f"{tuple(parents.shape)}")
+    B, N = tokens.shape
+    dev = tokens.device
+    if lengths is None:
+        lengths = torch.full((B,), N, dtype=torch.long, device=dev)
+    real = length_mask(lengths, N)
+    par = torch.where(real, parents, -1) + 1
+    if bool(((par < 0) | (par > torch.arange(N, device=dev)[None])).any()):
+        raise ValueError("every parent must come before its child in the row")
+    return tokens.masked_fill(~real, 0), par, real, lengths
+
+
 # ---- the models ----------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from .base import (
     embed_tokens,
     init_weights,
     rotary_table,
+    tree_inputs,
 )
 from .config import ModelConfig
 from .output import LOGIT_BUDGET
@@ -284,19 +285,8 @@ class TransformerLM(PendingTokenLM):
         working out the tries' depths when the plan is the dense pass).
         Returns (B, N) natural-log p(node token | <s>, ancestors); 0 at padding.
         """
-        if tokens.shape != parents.shape or tokens.dim() != 2:
-            raise ValueError(f"tokens and parents must both be (B, N), got {tuple(tokens.shape)}, "
-                             f"{tuple(parents.shape)}")
         B, N = tokens.shape
-        dev = tokens.device
-        if lengths is None:
-            lengths = torch.full((B,), N, dtype=torch.long, device=dev)
-        real = length_mask(lengths, N)  # (B, N)
-        tokens = tokens.masked_fill(~real, 0)
-        par = torch.where(real, parents, -1) + 1  # (B, N) parent position in the input; 0 = <s>
-        # node i sits at input position i + 1, so its parent's position must be in 0..i
-        if bool(((par < 0) | (par > torch.arange(N, device=dev)[None])).any()):
-            raise ValueError("every parent must come before its child in the row")
+        tokens, par, real, lengths = tree_inputs(tokens, parents, lengths)
         n_real = int(lengths.sum())
         if max_work_bytes is None or B == 0 or (plan is not None and not plan.blocked):
             return self._score_tree_dense(tokens, par, real)
