@@ -29,6 +29,27 @@ def split_long(seqs: list[list[int]], max_len: int) -> list[list[int]]:
     return out
 
 
+def join_sentences(seqs: Sequence[Sequence[int]], k: int, max_len: int) -> list[list[int]]:
+    """Consecutive encoded sentences (each ending in `</s>`) joined into sequences of up to `k` sentences and
+    at most `max_len` tokens (a sentence longer than that stands alone), so an LM trained or scored on them sees
+    the previous sentences of its window: `</s>` is the boundary, and the token after it starts the next
+    sentence. The windows do not overlap, so a window's first sentence is still read without context."""
+    if k < 1:
+        raise DataError(f"context sentences must be >= 1, got {k}")
+    out: list[list[int]] = []
+    cur: list[int] = []
+    n = 0
+    for s in seqs:
+        if cur and (n == k or len(cur) + len(s) > max_len):
+            out.append(cur)
+            cur, n = [], 0
+        cur = cur + list(s)
+        n += 1
+    if cur:
+        out.append(cur)
+    return out
+
+
 class _EpochBatches:
     """What the sentence batchers share: a subclass gives `seqs`, `seed`, `__len__`
     (batches per epoch) and `batch_ids(step)`."""

@@ -74,17 +74,59 @@ def interpolate(neural: np.ndarray, ngram: np.ndarray) -> dict:
             "curve": {f"{x:.2f}": float(p) for x, p in zip(LAMBDAS[::10], ppl[::10])}}
 
 
+def with_context(seqs: Sequence[Sequence[int]], k: int, docs: Sequence[str] | None = None) -> list[list[int]]:
+    """Each encoded sentence (`w.. </s>`) after the up to `k` sentences before it in the same document
+    (`docs`: each sentence's document; None: one running text), the way a context-trained LM reads them."""
+    out = []
+    for i, s in enumerate(seqs):
+        first = max(0, i - k)
+        while docs is not None and first < i and docs[first] != docs[i]:
+            first += 1
+        out.append([t for j in range(first, i) for t in seqs[j]] + list(s))
+    return out
+
+
+def read_docs(path: str | os.PathLike, n: int) -> list[str]:
+    """The document of each of a text's `n` lines, from an utt2doc file (`utterance document` per line, in the
+    text's order)."""
+    from .errors import DataError
+
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) != 2:
+                raise DataError(f"{path}:{i}: expected 'utterance document', got {line.strip()!r}")
+            docs.append(parts[1])
+    if len(docs) != n:
+        raise DataError(f"{path}: {len(docs)} utterances for a text of {n} sentences; expected one per line")
+    return docs
+
+
 def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device: str = "cpu",
-                  batch_tokens: int = 8192, ngram: str | os.PathLike | None = None, precision: str = "fp32") -> dict:
+                  batch_tokens: int = 8192, ngram: str | os.PathLike | None = None, precision: str = "fp32",
+                  context_sentences: int = 0, utt2doc: str | os.PathLike | None = None) -> dict:
     """Everything `smallstate-lm eval` reports, as a JSON-able dict. With `ngram` (a
     KenLM file), also the n-gram's perplexity on the same tokens and the linear
-    interpolation of the two with the best weight."""
+    interpolation of the two with the best weight. `context_sentences` K > 0: every sentence is read after
+    the K before it in the text (within its document of `utt2doc`), their log-probs not counted."""
+    if context_sentences < 0:
+        from .errors import ConfigError
+
+        raise ConfigError(f"context sentences must be >= 0, got {context_sentences}")
     lm = load_neural(model_path, device, precision=precision)
     sentences = read_sentences(text)
+    docs = read_docs(utt2doc, len(sentences)) if utt2doc is not None else None
     stats = EncodeStats()
     seqs = encode_sentences(sentences, lm.vocab, stats)
     t0 = time.perf_counter()
-    per_seq = token_logprobs(lm.model, seqs, batch_tokens, device)
+    if context_sentences:
+        full = token_logprobs(lm.model, with_context(seqs, context_sentences, docs), batch_tokens, device)
+        per_seq = [lp[len(lp) - len(s):] for lp, s in zip(full, seqs)]
+    else:
+        per_seq = token_logprobs(lm.model, seqs, batch_tokens, device)
     seconds = time.perf_counter() - t0
     n = sum(a.size for a in per_seq)
     # per word (a subword LM's pieces summed): what the n-gram and the rescorer see
@@ -113,7 +155,9 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         "words": stats.words,
         "oov_words": stats.oov,
         "oov_rate": stats.oov_rate,
-        "convention": CONVENTION,
+        "convention": CONVENTION if not context_sentences else CONVENTION.replace(
+            "each sentence is scored from <s>", f"each sentence is scored after the {context_sentences} before it "
+            "in its document (their log-probs not counted)"),
         "tokens_per_second": n / seconds if seconds > 0 else float("inf"),
         "seconds": seconds,
         "parameters": count_parameters(lm.model),
@@ -123,6 +167,7 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         "state_numel_fixed": lm.model.state_numel_fixed(),
         "device": str(device),
         "precision": precision,
+        "context_sentences": context_sentences,
         # model-specific facts, e.g. the learned attention spans per layer
         "model_report": lm.model.report(),
         "interpolation": mix,

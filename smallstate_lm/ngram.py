@@ -133,8 +133,15 @@ class NgramLM:
         out = self._kenlm.State()
         return self.model.BaseScore(state, "</s>", out) * LN10
 
-    def token_logprobs(self, words: Sequence[str]) -> np.ndarray:
-        """(len(words) + 1,) natural-log probabilities of each word and `</s>`, from `<s>`."""
+    def token_logprobs(self, words: Sequence[str], state=None) -> np.ndarray:
+        """(len(words) + 1,) natural-log probabilities of each word and `</s>`, from `<s>` (or from `state`,
+        e.g. after a context's words)."""
+        if state is not None:
+            out = np.empty(len(words) + 1)
+            for i, w in enumerate(words):
+                out[i], state = self.score_word(state, w)
+            out[-1] = self.score_eos(state)
+            return out
         sent = " ".join(words)
         return np.fromiter(map(itemgetter(0), self.model.full_scores(sent, bos=True, eos=True)),
                            dtype=np.float64, count=len(words) + 1) * LN10

@@ -84,10 +84,10 @@ class PieceVocabulary(Vocabulary):
         raise NotImplementedError
 
     def pieces(self, word: str) -> tuple[int, ...]:
-        """The ids of `word`'s pieces."""
+        """The ids of `word`'s pieces; `</s>` (a sentence's end inside a context) is the end token itself."""
         p = self._pieces.get(word)
         if p is None:
-            p = self._pieces[word] = self._cut(word)
+            p = self._pieces[word] = (EOS_ID,) if word == SPECIALS[EOS_ID] else self._cut(word)
         return p
 
     def __contains__(self, word: str) -> bool:

@@ -31,6 +31,7 @@ from .data import (
     ShuffledBatcher,
     StreamBatcher,
     encode_sentences,
+    join_sentences,
     perplexity,
     split_long,
 )
@@ -308,6 +309,10 @@ def train(tc: TrainConfig, loss_fn: LossFn | None = None) -> dict:
         raise ConfigError(f"precision must be auto, fp32 or bf16, got {tc.precision!r}")
     if tc.clock not in ("wall", "cpu"):
         raise ConfigError(f"clock must be 'wall' or 'cpu', got {tc.clock!r}")
+    if tc.context_sentences < 1:
+        raise ConfigError(f"context_sentences must be >= 1, got {tc.context_sentences}")
+    if tc.stream and tc.context_sentences > 1:
+        raise ConfigError("stream mode reads running text already; leave out --context-sentences")
     if tc.stream and loss_fn is not None:
         raise ConfigError("stream mode cannot be combined with a custom loss (distillation)")
     dist = Distributed(pick_device(tc.device))
@@ -338,8 +343,8 @@ def _setup(tc: TrainConfig, loss_fn: LossFn | None, out: Path, dist: Distributed
     vocab, cfg = _vocab_and_config(tc, train_sents, resume, init)
     batcher = _batcher(tc, train_sents, vocab)
     valid_stats = EncodeStats()
-    valid_seqs = encode_sentences(valid_sents, vocab, valid_stats)
-    eval_seqs = (encode_sentences(read_sentences(tc.eval_text, tc.lowercase), vocab)
+    valid_seqs = _windows(tc, encode_sentences(valid_sents, vocab, valid_stats))
+    eval_seqs = (_windows(tc, encode_sentences(read_sentences(tc.eval_text, tc.lowercase), vocab))
                  if tc.eval_text and dist.main else None)
 
     model, scorer = _model(tc, cfg, dist)
@@ -397,9 +402,14 @@ def _new_vocabulary(tc: TrainConfig, train_sents: list[list[str]]) -> Vocabulary
     return train_tokenizer(train_sents, spec)
 
 
+def _windows(tc: TrainConfig, seqs: list[list[int]]) -> list[list[int]]:
+    """Sentences as the run reads them: alone, or joined with the ones before them (--context-sentences)."""
+    return join_sentences(seqs, tc.context_sentences, tc.max_len) if tc.context_sentences > 1 else seqs
+
+
 def _batcher(tc: TrainConfig, train_sents: list[list[str]],
              vocab: Vocabulary) -> BucketBatcher | ShuffledBatcher | StreamBatcher:
-    train_seqs = split_long(encode_sentences(train_sents, vocab), tc.max_len)
+    train_seqs = split_long(_windows(tc, encode_sentences(train_sents, vocab)), tc.max_len)
     if not tc.batch_sentences and max(len(s) for s in train_seqs) > tc.batch_tokens:
         raise ConfigError(f"batch_tokens ({tc.batch_tokens}) is smaller than max_len ({tc.max_len})")
     if tc.stream:

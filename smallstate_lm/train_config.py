@@ -58,6 +58,10 @@ class TrainConfig:
     batch_sentences: int | None = option(None, help="Random batches of this many sentences instead of length "
                                          "buckets of --batch-tokens.")
     max_len: int = option(128, help="Longer sentences are cut into pieces.")
+    # the text's lines must be in reading order for the joined sentences to be each other's context
+    context_sentences: int = option(1, help="Train (and validate) on windows of up to this many consecutive "
+                                    "sentences of the text (at most --max-len tokens), </s> between them, so the "
+                                    "LM learns to use what was said before; 1 = sentence by sentence.")
     clip: float = option(1.0, help="Gradient-norm clipping; 0 disables.")
     valid_every: int = option(500)
     valid_at_tokens: list[int] = option(default_factory=list, help="Also validate when training reaches this many "

@@ -279,14 +279,17 @@ def test_score_and_context(server):
         for lm in ("neural", "ngram"):
             assert x[lm]["logprob"] == pytest.approx(sum(x[lm]["token_logprobs"]), **TOL)
             assert x[lm]["perplexity"] == pytest.approx(2.718281828 ** (-x[lm]["logprob"] / x["tokens"]), rel=1e-6)
-    # context: the hypothesis's log-probs are the tail of the full sentence's
+    # context, the previous transcript: the neural LM reads it and its </s>, then the hypothesis (the tail of the
+    # two sentences read as one text); the n-gram starts at <s>
     req = {"utterances": [{"id": "c", "context": "and he said", "hypotheses": [
         {"text": "unto them", "am_score": -10.0}]}], "return_token_logprobs": True}
     h = post(server, "/rescore", req).json()["utterances"][0]["best"]
-    full = s[2]
+    both = post(server, "/score", {"sentences": ["and he said </s> unto them", "unto them"],
+                                   "return_token_logprobs": True}).json()["sentences"]
     assert h["n_words"] == 2
-    for lm in ("neural", "ngram"):
-        assert h["token_logprobs"][lm] == pytest.approx(full[lm]["token_logprobs"][3:], **TOL)
+    assert h["token_logprobs"]["neural"] == pytest.approx(both[0]["neural"]["token_logprobs"][4:], **TOL)
+    assert h["token_logprobs"]["ngram"] == pytest.approx(both[1]["ngram"]["token_logprobs"], **TOL)
+    assert h["token_logprobs"]["neural"] != pytest.approx(both[1]["neural"]["token_logprobs"], **TOL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,3 +85,25 @@ AC_COSTS = typer.Option(None, "--ac-costs", help="Kaldi n-best: the acoustic-cos
                         "the word archive].")
 MERGE = typer.Option("logsumexp", "--merge-duplicates", help="N-best hypotheses with the same words: logsumexp "
                      "(sum their probabilities) or max (keep the best).")
+
+
+# Context across utterances (rescoring/runs/context_run.py), shared by rescore and tune.
+UTT2DOC = typer.Option(None, "--utt2doc", help="`utterance document` per line in spoken order (as Kaldi's "
+                       "utt2spk): rescore each document's utterances in that order, each after the transcripts "
+                       "chosen for the previous ones (--context-utts).")
+NGRAM_CONTEXT = typer.Option(False, "--ngram-context", help="With --utt2doc: the n-gram reads the context's words "
+                             "too [default: it starts at <s>; the neural LM reads the context].")
+
+
+def context_plan(utt2doc: Optional[Path], utts: Optional[int], weights: Optional[Path], ngram_context: bool):
+    """The `ContextPlan` of --utt2doc (None without it): K from --context-utts, else from a weights file made by
+    `tune --utt2doc`, else 1."""
+    if utt2doc is None:
+        if utts is not None or ngram_context:
+            raise ConfigError("--context-utts and --ngram-context need --utt2doc (which utterances follow which)")
+        return None
+    from ..rescoring.runs.context_run import ContextPlan, context_utts_of
+
+    if utts is None:
+        utts = context_utts_of(weights)
+    return ContextPlan.read(utt2doc, 1 if utts is None else utts, ngram_context)

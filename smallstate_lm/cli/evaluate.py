@@ -20,6 +20,12 @@ def eval_(
     device: str = typer.Option("cpu"),
     precision: str = PRECISION,
     batch_tokens: int = typer.Option(8192),
+    context_sentences: int = typer.Option(0, "--context-sentences", help="Read every sentence after the K "
+                                          "sentences before it in the text (lines in reading order), as an LM "
+                                          "trained with --context-sentences does; 0 = each from <s>."),
+    utt2doc: Optional[Path] = typer.Option(None, "--utt2doc", help="With --context-sentences: each line's "
+                                           "document ('utterance document' per line, in the text's order); "
+                                           "context never crosses a document."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for PyTorch [default: all cores]."),
 ):
     """Perplexity, speed, parameters and state size of a trained LM."""
@@ -28,13 +34,15 @@ def eval_(
     from ..device import pick_device
     from ..evaluate import evaluate_file
 
-    r = evaluate_file(model, text, str(pick_device(device)), batch_tokens, ngram, precision)
+    r = evaluate_file(model, text, str(pick_device(device)), batch_tokens, ngram, precision, context_sentences,
+                      utt2doc)
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
     typer.echo(f"model            {r['model']} ({r['preset']}, {r['parameters']:,} parameters)")
     typer.echo(f"text             {r['text']}: {r['sentences']:,} sentences, {r['words']:,} words")
-    typer.echo(f"perplexity       {r['perplexity']:.2f} per word ({r['words'] + r['sentences']:,} words and </s>)")
+    typer.echo(f"perplexity       {r['perplexity']:.2f} per word ({r['words'] + r['sentences']:,} words and </s>)"
+               + (f", each after the {context_sentences} sentences before it" if context_sentences else ""))
     if r["tokens"] != r["words"] + r["sentences"]:
         typer.echo(f"per token        {r['perplexity_per_token']:.2f} over {r['tokens']:,} tokens "
                    f"(tokenizer {r['tokenizer']})")

@@ -15,9 +15,12 @@ from .common import (
     MANIFEST,
     MERGE,
     NBEST_FORMAT,
+    NGRAM_CONTEXT,
     PATH_CHOICE,
     PRECISION,
+    UTT2DOC,
     check_precision,
+    context_plan,
     load_weights,
     note,
 )
@@ -79,6 +82,11 @@ def rescore(
                                              "[default: one per GPU of the cluster, else one per CPU]."),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Lattices: worker processes on this machine (CPU; each "
                              "loads the LMs once): expansion is one core's work per process."),
+    utt2doc: Optional[Path] = UTT2DOC,
+    context_utts: Optional[int] = typer.Option(None, "--context-utts", min=0, help="With --utt2doc: previous "
+                                               "utterances of the document read before each one [default: from "
+                                               "--weights (tune --utt2doc), else 1]."),
+    ngram_context: bool = NGRAM_CONTEXT,
     quiet: bool = typer.Option(False),
 ):
     """Rescore n-best lists (.tsv, .jsonl, ESPnet, NeMo, Kaldi) or lattices (.fst, .slf[.gz], Kaldi
@@ -95,6 +103,7 @@ def rescore(
     direct = {"lm_weight": lm_weight, "ngram_weight": ngram_weight, "word_penalty": word_penalty,
               "mbr_scale": mbr_scale, "decode": decode, "posterior_scale": posterior_scale}
     w = load_weights(weights, set_, direct)
+    context = context_plan(utt2doc, context_utts, weights, ngram_context)
     ref = read_text(refs) if refs else None
     if lattices and nbest_format == "auto":
         from ..rescoring.expand.rescorer import ExpandConfig
@@ -109,7 +118,7 @@ def rescore(
         outputs = RunOptions(nbest, ctm=CtmOptions(frame_shift, subsampling_factor) if ctm else None,
                              archive_text=archive_text)
         _rescore_lattices(sources, LatticeRun(words, lm, ngram, w, expand, outputs, device, jobs, ray, ray_actors,
-                                              progress=not quiet, precision=precision), out, ref)
+                                              progress=not quiet, precision=precision, context=context), out, ref)
         return
     if ray is not None:
         raise ConfigError("--ray rescores lattice files; n-best lists are rescored locally")
@@ -122,7 +131,7 @@ def rescore(
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
     scoring = NBestScoring(lm, ngram, device, batch_tokens, not no_prefix_sharing, progress=not quiet,
                            precision=precision, choose_paths=path_choice)
-    typer.echo(rescore_nbest_files(inputs, opts, scoring, w, out, ref, note).line())
+    typer.echo(rescore_nbest_files(inputs, opts, scoring, w, out, ref, note, context).line())
 
 
 def _rescore_lattices(sources, run, out: Path, ref) -> None:

@@ -17,9 +17,12 @@ from .common import (
     MANIFEST,
     MERGE,
     NBEST_FORMAT,
+    NGRAM_CONTEXT,
     PATH_CHOICE,
     PRECISION,
+    UTT2DOC,
     check_precision,
+    context_plan,
     load_weights,
     note,
 )
@@ -59,15 +62,22 @@ def tune(
     precision: str = PRECISION,
     path_choice: bool = PATH_CHOICE,
     batch_tokens: int = typer.Option(8192),
+    utt2doc: Optional[Path] = UTT2DOC,
+    context_utts: str = typer.Option("1,2,4", "--context-utts", help="With --utt2doc: the numbers of previous "
+                                     "utterances to try as context, after the weights are tuned without it; the "
+                                     "one with the fewest dev errors (or 0) goes into the weights file."),
+    ngram_context: bool = NGRAM_CONTEXT,
     quiet: bool = typer.Option(False),
 ):
     """Tune interpolation weights on a dev set and write the best to a JSON file (lattices: also the decode and
-    the posterior scale of word confidences)."""
+    the posterior scale of word confidences; with --utt2doc, also how many previous utterances to read)."""
     from ..rescoring.runs.lattice_run import split_lattice_inputs
     from ..rescoring.runs.tune import plot_surface, surface_text
     from ..rescoring.runs.tune_run import tune_search
 
     check_precision(precision)
+    candidates = _context_candidates(context_utts)
+    context = context_plan(utt2doc, None, None, ngram_context)
     base = load_weights(weights, set_)
     if interpolation is not None:
         base = dataclasses.replace(base, interpolation=interpolation)
@@ -97,7 +107,13 @@ def tune(
         typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
                    f"with {r.weights.decode} decoding, posterior scale {r.weights.posterior_scale:g} "
                    f"({n} lattices, {r.ref_words} reference words)")
-        _save(r, n, out)
+        extra = {}
+        if context is not None:
+            from ..rescoring.runs.tune_run import choose_context_utts
+
+            extra = _context_report(choose_context_utts(lattices, refs, r.weights, context, candidates,
+                                                        lattices=run))
+        _save(r, n, out, extra)
         return
     if decode is not None:
         raise ConfigError("--decode chooses how lattices are decoded; n-best lists choose by minimum Bayes risk "
@@ -109,6 +125,10 @@ def tune(
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
     scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet, precision=precision,
                            choose_paths=path_choice)
+    if context is not None:  # before the LMs load: a list missing from utt2doc fails at once
+        from ..rescoring.nbest.formats import read_nbest_inputs
+
+        context.check([u.utt for u in read_nbest_inputs(nbest, opts)[0]], "n-best lists")
     r, n = tune_nbest_files(nbest, opts, scoring, refs, plan, note)
     typer.echo(surface_text(r))
     if r.mbr_errors is not None:
@@ -117,13 +137,43 @@ def tune(
     typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  oracle WER "
                f"{100 * r.oracle_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
                f"({n} utterances, {r.ref_words} reference words)")
-    _save(r, n, out)
+    extra = {}
+    if context is not None:
+        from ..rescoring.runs.tune_run import choose_context_utts
+
+        extra = _context_report(choose_context_utts(nbest, refs, r.weights, context, candidates,
+                                                    nbest=(opts, scoring)))
+    _save(r, n, out, extra)
     if plot is not None:
         typer.echo(f"plot -> {plot}" if plot_surface(r, str(plot)) else "no plot: matplotlib is not installed")
 
 
-def _save(r, dev_inputs: int, out: Path) -> None:
-    extra = {"dev_wer": r.wer, "dev_utterances": dev_inputs, "dev_first_pass_wer": r.baseline_errors / r.ref_words}
+def _context_candidates(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--context-utts expects numbers like 1,2,4, got {text!r}") from None
+    if not ks or min(ks) < 0:
+        raise ConfigError(f"--context-utts expects numbers >= 0 like 1,2,4, got {text!r}")
+    return ks
+
+
+def _context_report(choice) -> dict:
+    """Print the context search and give what the weights file keeps of it."""
+    from ..rescoring.runs.context_run import CONTEXT_KEY
+
+    typer.echo(choice.line())
+    k = choice.chosen
+    typer.echo(f"context: {k} previous utterance{'s' if k != 1 else ''} (dev WER "
+               f"{100 * choice.errors[k] / choice.ref_words:.2f}%, without context "
+               f"{100 * choice.errors[0] / choice.ref_words:.2f}%)")
+    return {CONTEXT_KEY: k, "dev_wer_by_context_utts": {str(a): e / choice.ref_words
+                                                       for a, e in sorted(choice.errors.items())}}
+
+
+def _save(r, dev_inputs: int, out: Path, more: dict | None = None) -> None:
+    extra = {"dev_wer": r.wer, "dev_utterances": dev_inputs, "dev_first_pass_wer": r.baseline_errors / r.ref_words,
+             **(more or {})}
     if r.decode_choice is not None:  # how well the dev confidences fit, at the chosen decode and scale
         extra["dev_confidence_nce"] = r.decode_choice.nce
     r.weights.save(out, extra)

@@ -60,11 +60,20 @@ class NeuralScorer:
 
     @torch.no_grad()
     def token_logprobs(self, groups: Sequence[Sequence[Sequence[str]]],
-                       sizes: Sequence[TreeSize] | None = None) -> list[list[np.ndarray]]:
+                       sizes: Sequence[TreeSize] | None = None,
+                       contexts: Sequence[Sequence[int]] | None = None) -> list[list[np.ndarray]]:
         """groups: per utterance, its hypotheses as word lists; `sizes`, when the caller has them, the
         `trie_size` of each utterance's encoded hypotheses. Returns, per utterance and hypothesis, an array of
-        len(words)+1 log-probs (the last one is `</s>`); a subword LM's word gets the sum of its pieces'."""
-        out = self.encoded_logprobs([[self.encode(h) for h in hyps] for hyps in groups], sizes)
+        len(words)+1 log-probs (the last one is `</s>`); a subword LM's word gets the sum of its pieces'.
+        `contexts`: per utterance, tokens read before every one of its hypotheses (`context.context_tokens`),
+        a prefix its trie shares, whose own log-probs are not returned."""
+        encoded = [[self.encode(h) for h in hyps] for hyps in groups]
+        if contexts is not None and any(contexts):
+            cut = [len(c) for c in contexts]
+            out = self.encoded_logprobs([[list(c) + h for h in hyps] for c, hyps in zip(contexts, encoded)])
+            out = [[lp[n:] for lp in lps] for n, lps in zip(cut, out)]
+        else:
+            out = self.encoded_logprobs(encoded, sizes)
         if self.vocab.subword:
             out = [per_word(self.vocab, hyps, lps) for hyps, lps in zip(groups, out)]
         return out

@@ -100,6 +100,31 @@ class LatticeJob:
     field: str  # the request field it came from (for errors)
     seconds: float  # predicted: an upper bound
     nbytes: int  # predicted peak bytes
+    context: list[list[str]] | None = None  # sentences said before it: its LMs start after them
+
+
+@dataclass
+class SessionCall:
+    """A session operation (`sessions.SessionStore`): create (with `k`), describe, delete, acquire (with
+    `lease_s`: the engine answers when it is this request's turn) or release (with `lease` and the chosen
+    transcript `said`, None when the request failed). The engine answers each but release with a
+    `SessionReply`."""
+
+    id: int
+    op: Literal["create", "describe", "delete", "acquire", "release"]
+    scope: str
+    name: str
+    k: int = 1
+    lease_s: float = 0.0
+    lease: str = ""  # acquire, release: the request's lease id, unique to it
+    said: list[str] | None = None
+
+
+@dataclass
+class SessionReply:
+    id: int
+    value: Any = None  # create/describe: the session's description; acquire: the context sentences
+    error: BaseException | None = None
 
 
 @dataclass

@@ -94,9 +94,12 @@ class UtteranceIn(_Strict):
     id: Id
     hypotheses: Optional[list[HypothesisIn]] = Field(None, min_length=1, description="An n-best list.")
     lattice: Optional[LatticeIn] = None
-    context: Optional[Words] = Field(
-        None, description="Words said before this utterance (e.g. the previous transcript), whitespace-separated. "
-        "Both LMs are conditioned on them (after <s>); their own log-probs are not counted. Hypothesis lists only.")
+    context: Optional[Words | list[Words]] = Field(
+        None, description="What was said before this utterance: the previous transcript (words, whitespace-"
+        "separated), or a list of previous transcripts, oldest first (at most max_context_utts). The neural LM "
+        "reads them, each followed by </s>, before the hypotheses or the lattice (as `rescore --utt2doc` and an LM "
+        "trained with --context-sentences do); their own log-probs are not counted; the n-gram starts at <s>. "
+        "Not with `session`, which supplies it.")
 
     @model_validator(mode="after")
     def _one_of(self) -> "UtteranceIn":
@@ -129,8 +132,17 @@ class WeightsIn(_Strict):
         "sequence with the fewest expected word errors under the lattice's posterior).")
 
 
+SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+                                 description="A session's id, chosen by the client (letters, digits, . _ : -).")]
+
+
 class RescoreRequest(_Strict):
     utterances: list[UtteranceIn] = Field(..., min_length=1)
+    session: Optional[SessionId] = Field(
+        None, description="A session made with POST /v1/sessions: the request's one utterance is rescored after "
+        "the session's last transcripts (its context_utts of them), and its transcript (a list's best hypothesis, "
+        "a lattice's transcript) is kept for the next request. Requests of a session are served one after "
+        "another, in arrival order.")
     weights: Optional[WeightsIn] = None
     nbest: Optional[int] = Field(None, ge=1, description="Hypotheses returned per utterance: the n best of a list "
                                  "(default: all), the n best distinct word sequences of a lattice (default: the "
@@ -273,6 +285,20 @@ class ModelsResponse(BaseModel):
     cost_model: dict = Field(..., description="The cost model calibrated at warm-up on this server's device "
                              "(seconds per trie node, call and lattice row; bytes of LM state per position), and "
                              "the share of their upper bound that lattices have taken here so far.")
+
+
+class SessionIn(_Strict):
+    id: SessionId
+    context_utts: Optional[int] = Field(None, ge=0, description="Previous transcripts each request is read after "
+                                        "(at most max_context_utts) [default: the server's session_context_utts].")
+
+
+class SessionOut(BaseModel):
+    id: str
+    context_utts: int
+    transcripts: list[str] = Field(..., description="The transcripts kept, oldest first.")
+    expires_in_s: float = Field(..., description="Seconds until it ends unless a request comes.")
+    waiting: int = Field(..., description="Requests of it being served or waiting for their turn.")
 
 
 class ErrorResponse(BaseModel):

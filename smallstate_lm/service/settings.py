@@ -75,6 +75,11 @@ class Settings:
     max_request_bytes: int = 2 * 2**30
     # LM state bytes one level of one lattice may create; beyond it the level keeps its best states only
     max_level_bytes: int = 64 * 2**20
+    # ---- sessions (`session` on /rescore: each request after the session's last transcripts) --------
+    max_sessions: int = 10_000  # open at once, per engine; creating one more answers 429
+    session_ttl_s: float = 600.0  # a session without a request for this long ends
+    max_context_utts: int = 8  # transcripts a session (or a request's `context`) may hold
+    session_context_utts: int = 1  # a new session's default
     # ---- deadlines and timeouts -------------------------------------------------------------
     request_timeout_s: float = 30.0  # deadline of a request (from its first byte); X-Request-Timeout may shorten it
     header_timeout_s: float = 10.0  # a request's head must arrive within this (else the connection is closed)
@@ -97,14 +102,19 @@ class Settings:
             raise ConfigError(f"setting batch_tokens must be >= 1, got {self.batch_tokens}")
         positive = ("max_states", "lattice_nbest", "max_batch_tokens", "max_queue", "max_body_bytes",
                     "max_utterances", "max_hypotheses", "max_words", "max_lattice_arcs", "max_nbest", "max_per_state",
-                    "max_ngram_order", "max_trie_nodes", "max_lattice_cost", "max_request_bytes", "max_level_bytes")
+                    "max_ngram_order", "max_trie_nodes", "max_lattice_cost", "max_request_bytes", "max_level_bytes",
+                    "max_sessions")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_wait_ms", "drain_seconds", "graceful_timeout_s", "restart_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms", "max_request_seconds"):
+        if not 0 <= self.session_context_utts <= self.max_context_utts:
+            raise ConfigError(f"setting session_context_utts must lie in [0, max_context_utts = "
+                              f"{self.max_context_utts}], got {self.session_context_utts}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "slice_ms", "max_request_seconds",
+                     "session_ttl_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"setting {name} must be positive and finite, got {getattr(self, name)}")
         if self.precision not in ("fp32", "bf16", "fp16"):

@@ -279,6 +279,7 @@ class Frontier:
         self.arc_owner = e.owner_of_arcs()
         self.runs = np.array([j.run for j in jobs], dtype=np.int64)  # increasing
         self.start_step = np.array([j.start_step for j in jobs], dtype=np.int64)
+        self.context_positions = np.array([j.context_positions for j in jobs], dtype=np.int64)
         self.last_step = np.array([j.last_step for j in jobs], dtype=np.int64)
         self.out_start = e.out_start
         self.local_state = np.arange(e.total_states) - np.repeat(e.state_offset, e.num_states)
@@ -383,7 +384,8 @@ class Frontier:
         lattice keeps its best states (at least one), and its stats say it was pruned harder. None: all fit."""
         b = self.budget
         rows = self.out_start[lat_s + 1] - self.out_start[lat_s] + np.isfinite(self.laid.final_graph[lat_s])
-        positions = step - self.start_step[owner] + 2  # levels bound the words of a history; + <s>, + the step
+        # levels bound the words of a history; + <s>, + the step, + what the lattice was read after
+        positions = step - self.start_step[owner] + 2 + self.context_positions[owner]
         nbytes = rows * (positions * b.per_position + b.per_row)
         per_lattice = np.bincount(owner, weights=nbytes, minlength=len(self.jobs))
         over = np.flatnonzero(per_lattice > b.max_bytes)

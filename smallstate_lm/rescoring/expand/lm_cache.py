@@ -69,9 +69,9 @@ class LmCache:
 
     def initial_ngram_state(self) -> int:
         """The id of the n-gram's start-of-sentence state; -1 without an n-gram."""
-        return self._ngram_state_id(self.ngram.initial_state()) if self.ngram is not None else -1
+        return self.ngram_state_id(self.ngram.initial_state()) if self.ngram is not None else -1
 
-    def _ngram_state_id(self, state) -> int:
+    def ngram_state_id(self, state) -> int:
         i = self._ng_id.get(state)
         if i is None:
             i = self._ng_id[state] = len(self._ng_states)

@@ -130,6 +130,7 @@ class LatticeJob:
         self.prep: Prepared | None = None  # set by prepare_group
         self.n_levels = 0
         self.first_pass_words: list[str] | None = None
+        self.context_positions = 0  # neural LM state positions its start holds beyond <s> (`LmStart`)
 
     @property
     def last_step(self) -> int:

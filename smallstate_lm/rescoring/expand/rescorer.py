@@ -35,6 +35,16 @@ from .prepare import LatticeJob, prepare_group
 __all__ = ["ExpandConfig", "ExpandStats", "ExpandedLattice", "LatticeRescorer", "build_rescorer"]
 
 
+@dataclass(frozen=True)
+class LmStart:
+    """Where a lattice's paths start instead of `<s>`: the neural LM's state after a context (one row; None:
+    `<s>`), how many positions that state holds beyond `<s>`, and the n-gram's state (None: `<s>`)."""
+
+    neural: object = None
+    positions: int = 0
+    ngram: object = None
+
+
 @dataclass
 class ExpandConfig:
     max_ngram_order: int | None = 4  # None: exact histories
@@ -113,10 +123,22 @@ class LatticeRescorer:
             return None
         return LevelBudget(self.cfg.max_level_bytes, *self.state_bytes)
 
-    def expand(self, lat: Lattice) -> ExpandedLattice:
-        return next(iter(self.expand_many([lat])))[1]
+    def context_start(self, sentences, ngram_context: bool = False) -> LmStart | None:
+        """The start of a lattice said after `sentences` (oldest first; see `scoring.context`): the neural LM's
+        state after them; the n-gram's too with `ngram_context` (else it starts at `<s>`). None: no context."""
+        if not sentences:
+            return None
+        from ...scoring.context import context_tokens, neural_start, ngram_start
 
-    def expand_many(self, lats, on_error=None, should_stop=None, pause: bool = False, batch: int | None = None):
+        tokens = context_tokens(self.vocab, sentences) if self.model is not None else []
+        return LmStart(neural_start(self.model, tokens, self.device) if tokens else None, len(tokens),
+                       ngram_start(self.ngram, sentences) if ngram_context and self.ngram is not None else None)
+
+    def expand(self, lat: Lattice, start: LmStart | None = None) -> ExpandedLattice:
+        return next(iter(self.expand_many([lat], starts={0: start} if start is not None else None)))[1]
+
+    def expand_many(self, lats, on_error=None, should_stop=None, pause: bool = False, batch: int | None = None,
+                    starts=None):
         """Yield (index, ExpandedLattice) as lattices finish (not in input order).
         `lats` may be an iterable of Lattice or of callables returning one; a
         SmallstateError from preparing one is passed to `on_error(index, error)`
@@ -128,8 +150,10 @@ class LatticeRescorer:
         yielded after every level and between the LM calls of a level (`rows_per_call`): a caller
         may stop there, do other work, and resume; a lattice stopped between two calls of a level
         has no more rows computed. `batch`: at most this many lattices in flight (default
-        `cfg.lattices_per_batch`), e.g. fewer where their LM states would not fit in memory together."""
-        yield from _Schedule(self, lats, on_error, should_stop, pause, batch).results()
+        `cfg.lattices_per_batch`), e.g. fewer where their LM states would not fit in memory together.
+        `starts`: {index: LmStart} for lattices said after a context (`context_start`); the others start at
+        `<s>`."""
+        yield from _Schedule(self, lats, on_error, should_stop, pause, batch, starts).results()
 
     def _lm_call(self, obj: np.ndarray, row: np.ndarray, tok: np.ndarray, objs: dict[int, object],
                  new_obj: int) -> np.ndarray:
@@ -174,8 +198,10 @@ class _Schedule:
     a lattice leaves, its result yielded, after its last level. Neural LM states live in numbered objects
     (`objs`, one per LM call) for as long as a waiting path points into them."""
 
-    def __init__(self, r: LatticeRescorer, lats, on_error, should_stop, pause: bool, batch: int | None = None):
+    def __init__(self, r: LatticeRescorer, lats, on_error, should_stop, pause: bool, batch: int | None = None,
+                 starts=None):
         self.r, self.on_error, self.should_stop, self.pause = r, on_error, should_stop, pause
+        self.starts = starts or {}
         self.source = iter(enumerate(lats))
         self.batch = batch or r.cfg.lattices_per_batch(r.model is not None)
         self.run = Run()
@@ -252,11 +278,18 @@ class _Schedule:
                 raise
             self.on_error(jobs[0].run, e)
             return []
-        ng = r.cache.initial_ngram_state()
-        obj = 0 if r.model is not None else -1
         for x in jobs:
+            ng = r.cache.initial_ngram_state()
+            obj = 0 if r.model is not None else -1
+            given = self.starts.get(x.run)
+            if given is not None and given.neural is not None and r.model is not None:
+                obj, self.next_obj = self.next_obj, self.next_obj + 1  # freed with the last path that reads it
+                self.objs[obj] = given.neural
+                x.context_positions = given.positions
+            if given is not None and given.ngram is not None and r.ngram is not None:
+                ng = r.cache.ngram_state_id(given.ngram)
             x.start_step, x.first_arrival = step, self.run.n_arrivals
-            start = Paths(*(np.array([v], dtype=np.int64) for v in (x.run, 0, 0, obj, 0 if obj == 0 else -1, ng)),
+            start = Paths(*(np.array([v], dtype=np.int64) for v in (x.run, 0, 0, obj, 0 if obj >= 0 else -1, ng)),
                           arrival=self.run.arrivals(1), cost=np.zeros(1))
             self.run.add(step + int(x.prep.level[0]), start)
         return jobs

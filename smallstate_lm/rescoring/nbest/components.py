@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from ...errors import ConfigError, SmallstateError
 from ...ngram import NgramLM
+from ...scoring.context import context_tokens, ngram_start
 from ...weights import Weights, check_overlap, log_mix, oov_counts, oov_reference, weighted_total
 from ..decode.wer import pairwise_errors
 from .lists import Utterance
@@ -104,11 +105,15 @@ def first_pass_components(u: Utterance, known) -> Components:
 
 def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = None, ngram: NgramLM | None = None,
                        progress: bool = True, check: bool = True,
-                       sizes: Sequence | None = None) -> tuple[list[Components], ScoreStats]:
+                       sizes: Sequence | None = None,
+                       contexts: Sequence[Sequence[Sequence[str]]] | None = None,
+                       ngram_context: bool = False) -> tuple[list[Components], ScoreStats]:
     """Score every hypothesis with each LM given; the neural LM sees all utterances
     in batches (prefix-shared unless its scorer says otherwise). `check=False`: the caller has
     made check_overlap's vocabulary checks on these hypotheses already; `sizes`: each utterance's
-    trie size (`TreeSize`) as the neural LM's scorer sees it, when the caller has them."""
+    trie size (`TreeSize`) as the neural LM's scorer sees it, when the caller has them. `contexts`: per
+    utterance, the sentences said before it (oldest first), which the neural LM reads before its hypotheses
+    (and the n-gram too with `ngram_context`; else it starts at `<s>`)."""
     for u in utts:
         if not u.hyps:
             raise SmallstateError(f"utterance {u.utt!r} has an empty hypothesis list")
@@ -128,16 +133,19 @@ def compute_components(utts: Sequence[Utterance], neural: NeuralScorer | None = 
         chunk = 64  # utterances per progress update; the scorer batches within
         for i in tqdm(range(0, len(utts), chunk), disable=not progress, desc="neural LM", unit="chunk"):
             part = utts[i : i + chunk]
+            ctx = ([context_tokens(neural.vocab, c) for c in contexts[i : i + chunk]]
+                   if contexts is not None else None)
             tok = neural.token_logprobs([[h.words for h in u.hyps] for u in part],
-                                        sizes[i : i + chunk] if sizes is not None else None)
+                                        sizes[i : i + chunk] if sizes is not None else None, ctx)
             for c, t in zip(comps[i : i + chunk], tok):
                 c.neural_tok = t
                 c.neural = np.array([x.sum() for x in t])
         stats.tokens_total = neural.tokens_total - before[0]
         stats.tokens_computed = neural.tokens_computed - before[1]
     if ngram is not None:
-        for u, c in zip(utts, comps):
-            c.ngram_tok = [ngram.token_logprobs(h.words) for h in u.hyps]
+        for i, (u, c) in enumerate(zip(utts, comps)):
+            start = ngram_start(ngram, contexts[i]) if ngram_context and contexts is not None and contexts[i] else None
+            c.ngram_tok = [ngram.token_logprobs(h.words, start) for h in u.hyps]
             c.ngram = np.array([x.sum() for x in c.ngram_tok])
     stats.seconds = time.perf_counter() - t0
     return comps, stats

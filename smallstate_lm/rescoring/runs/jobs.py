@@ -10,6 +10,7 @@ from ...errors import ConfigError
 from ...lms import load_lms
 from ...weights import Weights
 from ..expand.rescorer import ExpandConfig, LatticeRescorer, build_rescorer
+from .context_run import ContextPlan
 from .lattice_files import CtmOptions
 
 
@@ -31,6 +32,7 @@ class RescoreJob:
     ctm: CtmOptions | None = None
     archive_text: bool = False
     precision: str = "fp32"
+    context: ContextPlan | None = None  # in spoken order, after each document's previous transcripts
 
     def __post_init__(self):
         if self.lm is None and self.ngram is None:

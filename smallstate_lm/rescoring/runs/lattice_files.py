@@ -372,10 +372,12 @@ def _ctm_line(utt: str, word: str, start: float, dur: float, conf: float) -> str
 
 def rescore_lattices(inputs: Iterable[Path | str | ResolvedInput | LatticeInput], symbols: SymbolTable | None,
                      rescorer: LatticeRescorer, nbest: int = 10, write_lattices: bool = True,
-                     ctm: CtmOptions | None = None) -> Iterator[tuple[int, LatticeResult]]:
+                     ctm: CtmOptions | None = None, starts=None,
+                     batch: int | None = None) -> Iterator[tuple[int, LatticeResult]]:
     """Yield `(index of the input, LatticeResult)` as lattices finish (not in input order);
     an input that fails to read or expand (a SmallstateError) yields a result with `error`.
-    Paths are expanded by `lattice_inputs` (a Kaldi archive gives one input per entry), lazily."""
+    Paths are expanded by `lattice_inputs` (a Kaldi archive gives one input per entry), lazily. `starts` and
+    `batch` go to `expand_many` (lattices read after a context, `context_run`)."""
     items: dict[int, LatticeInput] = {}  # inputs in flight only: an archive's entries are not all held
     failures: list[tuple[int, LatticeResult]] = []
 
@@ -401,7 +403,7 @@ def rescore_lattices(inputs: Iterable[Path | str | ResolvedInput | LatticeInput]
             yield i, r
         done.clear()
 
-    for i, exp in rescorer.expand_many(source(), on_error=failed):
+    for i, exp in rescorer.expand_many(source(), on_error=failed, starts=starts, batch=batch):
         yield from failures
         failures.clear()
         done.append((i, items.pop(i), exp))
@@ -426,10 +428,11 @@ class RunOptions:
 def rescore_lattice_files(inputs: Sequence[Path | str | ResolvedInput], symbols: SymbolTable | None,
                           rescorer: LatticeRescorer, out: Path, refs: dict[str, list[str]] | None = None,
                           options: RunOptions | None = None, progress: bool = True,
-                          on_error: Callable[[Path, str], None] | None = None) -> LatticeRunSummary:
+                          on_error: Callable[[Path, str], None] | None = None, context=None) -> LatticeRunSummary:
     """Rescore each lattice of the given files and Kaldi archives (each resolved once, see `resolve_input`); an
     input that fails to read or expand is reported through `on_error(path, message)` and skipped, the others
-    are still written."""
+    are still written. `context` (a `context_run.ContextPlan`): in spoken order, each lattice read after its
+    document's transcripts."""
     o = options or RunOptions()
     sources = [resolve_input(p) for p in inputs]
     check_archive_outputs(sources)
@@ -437,7 +440,13 @@ def rescore_lattice_files(inputs: Sequence[Path | str | ResolvedInput], symbols:
     outputs = LatticeOutputs(single, out, refs, o.write_lattices, progress, on_error, o.ctm, o.archive_text)
     calls_before = rescorer.lm_calls
     try:
-        for i, r in rescore_lattices(sources, symbols, rescorer, o.nbest, o.write_lattices, o.ctm):
+        if context is not None:
+            from .context_run import lattices_in_context
+
+            results = lattices_in_context(sources, symbols, rescorer, context, o.nbest, o.write_lattices, o.ctm)
+        else:
+            results = rescore_lattices(sources, symbols, rescorer, o.nbest, o.write_lattices, o.ctm)
+        for i, r in results:
             outputs.add(r, i)
     except BaseException:
         outputs.abort()

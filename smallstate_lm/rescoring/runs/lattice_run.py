@@ -15,6 +15,7 @@ from ..lattices.lattice import SymbolTable
 from ..expand.rescorer import ExpandConfig, LatticeRescorer, build_rescorer
 from .lattice_files import LatticeRunSummary, RunOptions, rescore_lattice_files
 from ..formats.resolve import ResolvedInput, resolve_input
+from .context_run import ContextPlan
 
 
 def classify_inputs(inputs: Sequence[Path]) -> tuple[list[ResolvedInput], bool]:
@@ -77,6 +78,7 @@ class LatticeRun:
     ray_actors: int | None = None
     progress: bool = True
     precision: str = "fp32"
+    context: ContextPlan | None = None  # --utt2doc: in spoken order, each lattice after the previous transcripts
 
 
 OnError = Callable[[Path, str], None]
@@ -93,7 +95,7 @@ def rescore_lattice_run(sources: Sequence[ResolvedInput], run: LatticeRun, out: 
         return _on_local_pool(sources, run, symbols, out, refs, on_error)
     rescorer = build_lattice_rescorer(run.lm, run.ngram, run.weights, run.expand, run.device, run.precision)
     return rescore_lattice_files(sources, symbols, rescorer, out, refs, run.outputs, progress=run.progress,
-                                 on_error=on_error)
+                                 on_error=on_error, context=run.context)
 
 
 def _worker_job(run: LatticeRun):
@@ -104,7 +106,8 @@ def _worker_job(run: LatticeRun):
     words, lm, ngram = (str(p.resolve()) if p else None for p in (run.words, run.lm, run.ngram))
     o = run.outputs
     return RescoreJob(words, lm, ngram, weights=run.weights, config=run.expand, nbest=o.nbest,
-                      write_lattices=o.write_lattices, ctm=o.ctm, archive_text=o.archive_text, precision=run.precision)
+                      write_lattices=o.write_lattices, ctm=o.ctm, archive_text=o.archive_text, precision=run.precision,
+                      context=run.context)
 
 
 def _on_local_pool(sources, run: LatticeRun, symbols, out, refs, on_error) -> LatticeRunSummary:
@@ -120,6 +123,9 @@ def _on_ray(sources, run: LatticeRun, out, refs, on_error) -> LatticeRunSummary:
     from .ray_runner import RayCluster, rescore_lattice_files_ray
 
     job = _worker_job(run)
+    if run.context is not None:
+        raise ConfigError("--utt2doc rescores each document in spoken order on one machine: use --jobs N "
+                          "(whole documents per worker) instead of --ray")
     if run.outputs.ctm is not None or any(s.many for s in sources):
         raise ConfigError("--ray rescores single lattice files (.fst, SLF) without --ctm; rescore Kaldi "
                           "archives and k2 files, and write CTMs, without --ray")

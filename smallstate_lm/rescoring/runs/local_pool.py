@@ -58,7 +58,13 @@ def _run(specs: list[str]) -> tuple[list[bytes], int]:
         raise _start_error
     symbols, rescorer, job, ctm = _worker
     calls = rescorer.lm_calls
-    got = sorted(rescore_lattices(specs, symbols, rescorer, job.nbest, job.write_lattices, ctm), key=lambda x: x[0])
+    if job.context is not None:
+        from .context_run import lattices_in_context
+
+        results = lattices_in_context(specs, symbols, rescorer, job.context, job.nbest, job.write_lattices, ctm)
+    else:
+        results = rescore_lattices(specs, symbols, rescorer, job.nbest, job.write_lattices, ctm)
+    got = sorted(results, key=lambda x: x[0])
     return [pickle.dumps(r.encoded(), protocol=pickle.HIGHEST_PROTOCOL) for _, r in got], \
         rescorer.lm_calls - calls
 
@@ -80,6 +86,18 @@ def _tasks(paths: Sequence[str], per_task: int) -> list[list[str]]:
     return tasks + ([run] if run else [])
 
 
+def _document_tasks(specs: Sequence[str], context) -> list[list[str]]:
+    """With context, whole documents per task (a document's utterances depend on each other); a Kaldi archive
+    or k2 file, whose utterances are known only once read, is one task with all of its documents."""
+    from ..formats.resolve import utterance_id
+    from .context_run import document_groups
+
+    singles = [p for p in specs if not is_archive_input(p)]
+    context.check([utterance_id(Path(p)) for p in singles], "lattices")
+    groups = document_groups([utterance_id(Path(p)) for p in singles], context)
+    return [[singles[i] for i in g] for g in groups] + [[p] for p in specs if is_archive_input(p)]
+
+
 def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out: Path,
                                refs: dict[str, list[str]] | None = None, progress: bool = True,
                                on_error: Callable[[Path, str], None] | None = None,
@@ -92,7 +110,10 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
     specs = [str(p) for p in paths]
     check_archive_outputs(specs)
     per_task = job.config.lattices_per_batch(job.lm is not None)
-    tasks = _tasks(specs, min(per_task, -(-len(specs) // (2 * jobs))))  # two tasks per worker at least
+    if job.context is not None:
+        tasks = _document_tasks(specs, job.context)
+    else:
+        tasks = _tasks(specs, min(per_task, -(-len(specs) // (2 * jobs))))  # two tasks per worker at least
     single = specs if all(is_single_lattice_file(p) for p in specs) else None  # the progress bar's total, when known
     outputs = LatticeOutputs(single, out, refs, job.write_lattices, progress, on_error, job.ctm, job.archive_text)
     threads = max(1, (os.cpu_count() or 1) // jobs) if job.lm is not None else None
@@ -104,7 +125,8 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
         for blobs, calls in pool.map(_run, tasks):
             lm_calls += calls
             for blob in blobs:
-                outputs.add(pickle.loads(blob), index)
+                # documents are tasks out of input order: single files are put in order by name, not by index
+                outputs.add(pickle.loads(blob), index if job.context is None else None)
                 index += 1
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)  # an error ends the run now, not after the queued tasks

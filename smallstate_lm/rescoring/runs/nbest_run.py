@@ -15,6 +15,7 @@ from ..nbest.confidence import with_confidences
 from ..nbest.formats import ImportOptions, read_nbest_inputs
 from ..nbest.lists import Utterance, write_nbest_jsonl, write_text
 from ..decode.wer import ErrorCounts, write_wer_report
+from .context_run import ContextPlan, nbest_in_context
 
 if TYPE_CHECKING:
     from ...ngram import NgramLM
@@ -75,13 +76,20 @@ class NBestRunSummary:
 
 def rescore_nbest_files(inputs: Sequence[Path], opts: ImportOptions, scoring: NBestScoring, weights: Weights,
                         out: Path, refs: dict[str, list[str]] | None = None,
-                        on_note: Callable[[str], None] | None = None) -> NBestRunSummary:
+                        on_note: Callable[[str], None] | None = None,
+                        context: ContextPlan | None = None) -> NBestRunSummary:
     """Rescore n-best inputs under `weights` into `out`: nbest.jsonl (every hypothesis, best first, with its
     components; the best one with its word confidences), best.txt and, with `refs`, wer.txt against the first
-    pass's choice."""
+    pass's choice. `context`: in spoken order, each list scored after its document's chosen transcripts."""
     utts, _ = read_nbest_inputs(inputs, opts, on_note)
-    comps, stats = score_nbest(utts, scoring)
-    ranked = with_confidences(apply_weights(utts, comps, weights), weights)
+    if context is not None:
+        context.check([u.utt for u in utts], "n-best lists")
+        neural, ngram = load_scorers(scoring)
+        ranked, _, stats = nbest_in_context(utts, neural, ngram, weights, context, progress=scoring.progress)
+    else:
+        comps, stats = score_nbest(utts, scoring)
+        ranked = apply_weights(utts, comps, weights)
+    ranked = with_confidences(ranked, weights)
     best = {u.utt: u.hyps[0].words for u in ranked}
     write_nbest_jsonl(out / "nbest.jsonl", ranked)  # first: it refuses non-finite scores, before best.txt exists
     write_text(out / "best.txt", best)

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ...errors import SmallstateError
 from ...weights import Weights
 from ..formats.resolve import ResolvedInput
 from .lattice_run import LatticeRun, build_lattice_rescorer, lattice_symbols
 from ..nbest.formats import ImportOptions, read_nbest_inputs
 from ..nbest.lists import read_text
-from .nbest_run import NBestScoring, score_nbest
+from .context_run import ContextPlan
+from .nbest_run import NBestScoring, load_scorers, score_nbest
 from .tune import DEFAULT_GRID, LAM_GRID, TuneResult, tune, tune_lattices
 
 # a searched weight DEFAULT_GRID has no grid for (am_scale, graph_scale, oov_penalty) gets the LM weights' range
@@ -73,3 +75,58 @@ def tune_lattice_files(sources: Sequence[ResolvedInput], run: LatticeRun, refs: 
     expanded = [e for _, e in tqdm(rescorer.expand_many(lats), total=len(lats), disable=not run.progress,
                                    desc="expand")]
     return tune_lattices(expanded, read_text(refs), search.base, search.grid, decodes=search.decodes), len(lats)
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    """`tune --utt2doc`: the dev errors of each number of previous utterances read as context (0: none, the
+    same in-order driver), with the weights tuned without context, and the one chosen (fewest errors; ties
+    to the smaller)."""
+
+    errors: dict[int, int]
+    ref_words: int
+
+    @property
+    def chosen(self) -> int:
+        return min(self.errors, key=lambda k: (self.errors[k], k))
+
+    def line(self) -> str:
+        return "WER% vs context utterances (tuned weights, in spoken order): " + "  ".join(
+            f"{k}:{100 * e / self.ref_words:.2f}" for k, e in sorted(self.errors.items()))
+
+
+def choose_context_utts(inputs, refs: Path, weights: Weights, plan: ContextPlan, candidates: Sequence[int],
+                        nbest: tuple[ImportOptions, NBestScoring] | None = None,
+                        lattices: LatticeRun | None = None) -> ContextChoice:
+    """Rescore the dev set in spoken order once per K of `candidates` (and 0) under `weights` (tuned without
+    context: re-tuning them for every K would re-decode the dev set per weight candidate), n-best lists
+    (`nbest`: their import options and scorers) or lattices (`lattices`: the run's LMs and expansion)."""
+    from ..decode.wer import align_counts
+    from .context_run import lattices_in_context, nbest_in_context
+
+    ref = read_text(refs)
+    errors: dict[int, int] = {}
+    ks = sorted({0, *candidates})
+    if nbest is not None:
+        opts, scoring = nbest
+        utts, _ = read_nbest_inputs(inputs, opts)
+        plan.check([u.utt for u in utts], "n-best lists")
+        neural, ngram = load_scorers(scoring)
+        for k in ks:
+            ranked, _, _ = nbest_in_context(utts, neural, ngram, weights, plan.with_utts(k), scoring.progress)
+            errors[k] = sum(align_counts(ref[u.utt], u.hyps[0].words).errors for u in ranked if u.utt in ref)
+        ref_words = sum(len(ref[u.utt]) for u in utts if u.utt in ref)
+    else:
+        symbols = lattice_symbols(lattices.words, inputs)
+        rescorer = build_lattice_rescorer(lattices.lm, lattices.ngram, weights, lattices.expand, lattices.device,
+                                          lattices.precision)
+        for k in ks:
+            best = {}
+            for _, r in lattices_in_context(inputs, symbols, rescorer, plan.with_utts(k), nbest=0,
+                                            write_lattices=False):
+                if r.error is not None:
+                    raise SmallstateError(r.error)
+                best[r.name] = r.best
+            errors[k] = sum(align_counts(ref[u], words).errors for u, words in best.items() if u in ref)
+        ref_words = sum(len(ref[u]) for u in best if u in ref)
+    return ContextChoice(errors, ref_words)

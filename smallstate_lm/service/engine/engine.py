@@ -34,6 +34,8 @@ from ..messages import (
     LatticeJob,
     ListJob,
     Refused,
+    SessionCall,
+    SessionReply,
     Submit,
     Welcome,
     engine_address,
@@ -43,6 +45,7 @@ from ..messages import (
 )
 from ..metrics import Metrics
 from ..model import Models
+from ..sessions import SessionStore
 from ..settings import Settings
 from ..wire import Wire
 from .batcher import Batcher, BatchLimits, Job
@@ -54,6 +57,7 @@ log = logging.getLogger("smallstate_lm.service")
 RELEASE_GROWTH = 64 * 2**20
 ENGINE_NICE = 10
 BOARD_S = 0.005  # how often the backlog on the board is brought up to date
+SESSION_SWEEP_S = 0.5  # how often leases past their deadline are taken back and idle sessions dropped
 FAILED = "engine.failed"  # in the run directory: why the model was refused (read by the supervisor)
 
 
@@ -69,6 +73,7 @@ class Engine:
         self.batcher = Batcher(self.worker.run_batch, limits, metrics=self.metrics,
                                arrivals=board if settings.wait_for_arrivals else None, on_idle=self._idle)
         self.jobs: dict[tuple[bytes, int], Job] = {}  # (front-end socket, request id) -> its job, until answered
+        self.sessions = SessionStore(settings.max_sessions, settings.session_ttl_s, settings.max_context_utts)
         self.stop_at = math.inf
         self.rss_base = 0
         self._releasing = False
@@ -103,7 +108,9 @@ class Engine:
         self.metrics.ready.set(1)
         log.info("engine: model loaded and warmed up in %.1f s on %s", time.perf_counter() - t0, self.models.device)
         publish = asyncio.ensure_future(self._publish())
+        sweep = asyncio.ensure_future(self._sweep_sessions())
         await stop.wait()
+        sweep.cancel()
         self.board.engine(os.getpid(), False)
         self.metrics.ready.set(0)
         self.stop_at = time.perf_counter() + max(0.0, self.s.graceful_timeout_s - 0.5)
@@ -156,6 +163,37 @@ class Engine:
                 self.batcher.cancel(job)
         elif isinstance(msg, Hello):
             self._hello(who, msg)
+        elif isinstance(msg, SessionCall):
+            self._session(who, msg)
+
+    def _session(self, who: bytes, msg: SessionCall) -> None:
+        """A session operation, answered at once (acquire: when it is this request's turn)."""
+        store = self.sessions
+        try:
+            if msg.op == "create":
+                value = store.create(msg.scope, msg.name, msg.k)
+            elif msg.op == "describe":
+                value = store.describe(msg.scope, msg.name)
+            elif msg.op == "delete":
+                value = store.delete(msg.scope, msg.name)
+            elif msg.op == "release":
+                store.release(msg.scope, msg.name, msg.lease, msg.said)
+                return
+            else:
+                def reply(context, error) -> None:
+                    self._send(who, SessionReply(msg.id, context, portable(error) if error is not None else None))
+
+                store.acquire(msg.scope, msg.name, msg.lease, msg.lease_s, reply)
+                return
+        except ServiceError as e:
+            self._send(who, SessionReply(msg.id, None, portable(e)))
+            return
+        self._send(who, SessionReply(msg.id, value))
+
+    async def _sweep_sessions(self) -> None:
+        while True:
+            await asyncio.sleep(SESSION_SWEEP_S)
+            self.sessions.sweep()
 
     def _send(self, who: bytes, msg) -> None:
         if self._wire is not None:

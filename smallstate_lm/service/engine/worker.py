@@ -283,8 +283,13 @@ class _LatticeGroup:
         together = lattices_together(models.expand_config.lattices_per_batch(models.neural is not None),
                                      [self.members[i][2].nbytes for i in indices], models.s.max_request_bytes)
         t = time.perf_counter()
+        starts = {}  # lattices said after a context (a session's or the request's): their LMs start after it
+        for k, i in enumerate(indices):
+            if self.members[i][2].context:
+                starts[k] = rescorer.context_start(self.members[i][2].context)
         for out in rescorer.expand_many(lattices, on_error=lambda k, e: self._failed(indices[k], e),
-                                        should_stop=lambda k: self._stop(indices[k]), pause=True, batch=together):
+                                        should_stop=lambda k: self._stop(indices[k]), pause=True, batch=together,
+                                        starts=starts):
             if out is not None:
                 self._take(indices[out[0]], out[1])
             self.spent += time.perf_counter() - t

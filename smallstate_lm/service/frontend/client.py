@@ -15,7 +15,7 @@ import zmq
 
 from ..board import Board
 from ..errors import Unavailable
-from ..messages import Cancel, Hello, Submit, Welcome, engine_address, from_frames, to_frames
+from ..messages import Cancel, Hello, SessionCall, Submit, Welcome, engine_address, from_frames, to_frames
 from ..wire import Wire
 
 log = logging.getLogger("smallstate_lm.service")
@@ -83,6 +83,22 @@ class EngineClient:
         msg.id = next(self.ids)
         future = asyncio.get_running_loop().create_future()
         self.pending[msg.id] = future
+        self.wire.send(to_frames(msg))
+        return future
+
+    def session(self, msg: SessionCall) -> asyncio.Future | None:
+        """Send a session operation (its id is set here); the future gets the engine's `SessionReply`, or
+        Unavailable when the engine ends first. A release is not answered: None."""
+        if not self.connected.is_set():
+            if msg.op == "release":
+                return None  # the engine that held the lease is gone, and its sessions with it
+            raise Unavailable("the engine is restarting (the model is being loaded again); retry shortly",
+                              retry_after=2)
+        msg.id = next(self.ids)
+        future = None
+        if msg.op != "release":
+            future = asyncio.get_running_loop().create_future()
+            self.pending[msg.id] = future
         self.wire.send(to_frames(msg))
         return future
 

@@ -48,7 +48,7 @@ class UtteranceIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     id: Id
     hypotheses: Optional[Annotated[list[HypothesisIn], msgspec.Meta(min_length=1)]] = None
     lattice: Optional[LatticeIn] = None
-    context: Optional[str] = None
+    context: Optional[Union[str, list[str]]] = None
 
 
 class WeightsIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -75,6 +75,7 @@ class RescoreRequest(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     weights: Optional[WeightsIn] = None
     nbest: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
     return_token_logprobs: bool = False
+    session: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]] = None
 
 
 class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -92,6 +93,8 @@ def decode(kind: str, raw: bytes, words: bool = True) -> Request | None:
     certainly valid; None when pydantic must decide (and word the error). `words=False` leaves the words'
     own checks (non-empty, no whitespace, at most MAX_WORD_CHARS) out: the structure and types are checked
     (each utterance a list or a lattice, each hypothesis words or text)."""
+    if kind not in _DECODERS:  # small bodies (a session's): pydantic's way only
+        return None
     try:
         body = _DECODERS[kind].decode(raw)
     except (msgspec.DecodeError, RecursionError):
@@ -109,7 +112,8 @@ def _rescore_ok(body: RescoreRequest, words: bool = True) -> bool:
     for u in body.utterances:
         if (u.hypotheses is None) == (u.lattice is None):
             return False
-        if words and u.context is not None and not _text_ok(u.context):
+        if words and u.context is not None and not all(map(_text_ok, [u.context] if isinstance(u.context, str)
+                                                               else u.context)):
             return False
         if u.lattice is not None:
             if words and u.lattice.words is not None:

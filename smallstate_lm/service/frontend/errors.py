@@ -17,6 +17,7 @@ from smallstate_lm.errors import SmallstateError
 
 from ..errors import ClientGone, CostLimitError, DeadlineExceeded, ServiceError, Unavailable
 from ..schemas import ErrorResponse
+from ..sessions import SessionExists, SessionNotFound, TooManySessions
 
 log = logging.getLogger("smallstate_lm.service")
 ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in (
@@ -24,14 +25,17 @@ ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text
     (408, "The body did not arrive within body_timeout_s."),
     (413, "Body over max_body_bytes; estimated cost over max_trie_nodes / max_lattice_cost; predicted seconds or "
           "bytes over max_request_seconds / max_request_bytes, or hypothesis lists that cannot meet the deadline."),
+    (404, "Unknown or expired session."), (409, "A session of that id exists already."),
     (415, "Body not sent as application/json."),
     (422, "Invalid request, or over a limit: `field` names the part, `limit` the limit."),
+    (429, "max_sessions sessions are open."),
     (503, "Overloaded (queue full, or more work queued ahead than the deadline allows), out of memory for this "
           "request, not ready, or shutting down; see Retry-After."),
     (504, "No answer within the deadline (X-Request-Timeout, at most request_timeout_s); the work was stopped."))}
 # Status codes of the service's own errors (the first class that matches); any other ServiceError is 422.
 # 499 (nginx's "client closed request") only shows in the metrics: nobody is left to read it.
-STATUS = ((Unavailable, 503), (CostLimitError, 413), (DeadlineExceeded, 504), (ClientGone, 499))
+STATUS = ((Unavailable, 503), (CostLimitError, 413), (DeadlineExceeded, 504), (ClientGone, 499),
+          (SessionNotFound, 404), (SessionExists, 409), (TooManySessions, 429))
 
 
 def error_body(detail: str, kind: str, field: str | None = None, limit: int | float | None = None,

@@ -23,6 +23,7 @@ from .work import (
     LatticeItem,
     NbestItem,
     Work,
+    context_words,
     lattice_item,
     list_floor,
     lists_seconds,
@@ -90,9 +91,7 @@ def _lattices_priced(body: RescoreRequest, models: Models, s: Settings, lists_fl
         if u.hypotheses is not None:
             continue
         where = f"utterances[{i}]"
-        if u.context is not None:
-            raise ServiceError("'context' is supported for hypothesis lists only, not for lattices",
-                               f"{where}.context")
+        context = context_sentences(u, where, s)
         lat = parse_lattice(u.lattice, f"{where}.lattice", u.id, s.max_lattice_arcs, costs)
         shape = lattice_shape(lat, s.max_per_state)
         steps += shape.total_steps
@@ -102,6 +101,7 @@ def _lattices_priced(body: RescoreRequest, models: Models, s: Settings, lists_fl
                                  f"{s.max_lattice_cost} (max_lattice_cost)", f"{where}.lattice",
                                  s.max_lattice_cost)
         item = lattice_item(models, lat, body.nbest or s.lattice_nbest, shape)
+        item.context = context or None
         lattice_s += item.seconds
         if item.nbytes > s.max_request_bytes:  # lattices that do not fit together are expanded fewer at a time
             raise CostLimitError(f"expanding the lattice would need up to {item.nbytes / 2**20:.0f} MiB of "
@@ -133,9 +133,12 @@ def _check_lists_early(body: RescoreRequest, models: Models, s: Settings,
             continue
         if len(u.hypotheses) > s.max_hypotheses:
             return floor, None, lens_of
-        context = u.context.split() if u.context else []
+        try:
+            context = context_words(context_sentences(u, "", s))
+        except LimitError:  # named by `_hypotheses`
+            return floor, None, lens_of
         seqs = [h.words if h.words is not None else h.text.split() for h in u.hypotheses]
-        if len(context) > s.max_words or max(map(len, seqs)) > s.max_words:
+        if max(map(len, seqs)) > s.max_words:
             return floor, None, lens_of
         if context:
             seqs = [context + q for q in seqs]
@@ -185,16 +188,34 @@ def lattice_cost(lat: Lattice, max_per_state: int) -> int:
     return lattice_shape(lat, max_per_state).total_steps
 
 
+def context_sentences(u: UtteranceIn, where: str, s: Settings) -> list[list[str]]:
+    """The utterance's `context` as sentences of words, oldest first, held to the limits (max_context_utts
+    sentences, max_words words each)."""
+    if u.context is None:
+        return []
+    texts = [u.context] if isinstance(u.context, str) else list(u.context)
+    if len(texts) > s.max_context_utts:
+        raise LimitError(f"{len(texts)} context transcripts, more than the limit of {s.max_context_utts} "
+                         "(max_context_utts)", f"{where}.context", s.max_context_utts)
+    out = []
+    for k, text in enumerate(texts):
+        words = text.split()
+        if len(words) > s.max_words:
+            at = f"{where}.context" + (f"[{k}]" if not isinstance(u.context, str) else "")
+            raise LimitError(f"{len(words)} context words, more than the limit of {s.max_words} (max_words)",
+                             at, s.max_words)
+        if words:
+            out.append(words)
+    return out
+
+
 def _hypotheses(u: UtteranceIn, where: str, s: Settings) -> tuple[Utterance, list[str], list[str]]:
     """The utterance's hypotheses (their positions as ids), its context words, and the ids the hypotheses
     came with (their positions where the request gave none)."""
     if len(u.hypotheses) > s.max_hypotheses:
         raise LimitError(f"{len(u.hypotheses)} hypotheses, more than the limit of {s.max_hypotheses} "
                          f"(max_hypotheses)", f"{where}.hypotheses", s.max_hypotheses)
-    context = u.context.split() if u.context else []
-    if len(context) > s.max_words:
-        raise LimitError(f"{len(context)} context words, more than the limit of {s.max_words} (max_words)",
-                         f"{where}.context", s.max_words)
+    context = context_words(context_sentences(u, where, s))
     hyps = []
     for j, h in enumerate(u.hypotheses):
         words = list(h.words) if h.words is not None else h.text.split()

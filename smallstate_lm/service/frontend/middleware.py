@@ -13,9 +13,15 @@ from ..metrics import Metrics
 from .errors import error_body
 from .state import ARRIVAL, T0, Service
 
-PROTECTED = frozenset({"/rescore", "/score", "/v1/models", "/metrics"})
+PROTECTED = frozenset({"/rescore", "/score", "/v1/models", "/metrics", "/v1/sessions"})
 ROUTES = frozenset({"/rescore", "/score", "/healthz", "/readyz", "/metrics", "/v1/models", "/docs", "/redoc",
-                    "/openapi.json", "/docs/oauth2-redirect"})
+                    "/openapi.json", "/docs/oauth2-redirect", "/v1/sessions"})
+SESSIONS = "/v1/sessions/"  # a session's own path: protected, and one label in the metrics
+
+
+def route_of(path: str) -> str:
+    """The route a path counts under (its session's path under /v1/sessions)."""
+    return "/v1/sessions" if path.startswith(SESSIONS) else path
 
 
 async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -35,7 +41,8 @@ class MetricsMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"  # unknown paths would blow up the label set
+        route = route_of(scope["path"])
+        route = route if route in ROUTES else "other"  # unknown paths would blow up the label set
         status = 500
         t0 = time.perf_counter()
 
@@ -144,7 +151,7 @@ class ApiKeyMiddleware:
         self.expected = b"Bearer " + key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] in PROTECTED:
+        if scope["type"] == "http" and route_of(scope["path"]) in PROTECTED:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 body = error_body("missing or wrong API key: send the header 'Authorization: Bearer <key>'",

@@ -128,8 +128,8 @@ def _take(models: Models, w: Work, scored: Scored) -> None:
             lens = np.asarray(lm_lengths(models, words), dtype=np.int64) + 1  # the LM's tokens and </s>
             c.neural_tok = per_word(models.neural.vocab, words, np.split(scored.neural[k], np.cumsum(lens)[:-1]))
             c.neural = np.array([x.sum() for x in c.neural_tok])
-        if models.ngram is not None:
-            c.ngram_tok = [models.ngram.token_logprobs(h.words) for h in it.scored.hyps]
+        if models.ngram is not None:  # from <s>: an n-gram has no history across a sentence's end
+            c.ngram_tok = [models.ngram.token_logprobs(h.words) for h in it.plain.hyps]
             c.ngram = np.array([x.sum() for x in c.ngram_tok])
         it.comps = c
     lattices = [(it, f) for it, f in zip(w.items, w.fields) if isinstance(it, LatticeItem)]
@@ -154,7 +154,8 @@ def _ranked(models: Models, sc: dict, id: str, words: list[str], rank: int, w: W
 
 
 def _strip_context(models: Models, it: NbestItem) -> Components:
-    """Components of the plain hypotheses from those scored after the context words."""
+    """Components of the plain hypotheses from those scored after the context words (the neural LM's; the
+    n-gram scored the plain ones)."""
     c, k = it.comps, it.context
     if k == 0:
         return c
@@ -164,9 +165,7 @@ def _strip_context(models: Models, it: NbestItem) -> Components:
     if c.neural_tok is not None:
         out.neural_tok = [t[k:] for t in c.neural_tok]
         out.neural = np.array([t.sum() for t in out.neural_tok])
-    if c.ngram_tok is not None:
-        out.ngram_tok = [t[k:] for t in c.ngram_tok]
-        out.ngram = np.array([t.sum() for t in out.ngram_tok])
+    out.ngram_tok, out.ngram = c.ngram_tok, c.ngram
     return out
 
 

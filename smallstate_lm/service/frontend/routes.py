@@ -7,7 +7,18 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..schemas import ErrorResponse, ModelsResponse, RescoreRequest, RescoreResponse, ScoreRequest, ScoreResponse
+from ..errors import ServiceError
+from ..schemas import (
+    ErrorResponse,
+    ModelsResponse,
+    RescoreRequest,
+    RescoreResponse,
+    ScoreRequest,
+    ScoreResponse,
+    SessionId,
+    SessionIn,
+    SessionOut,
+)
 from .bodies import off_loop, parse_body, read_raw
 from .errors import ERRORS
 from .inputs import rescore_work, score_work
@@ -33,11 +44,26 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/rescore", response_model=RescoreResponse, responses=ERRORS)
     async def rescore(request: Request) -> Response:
         """Rescore n-best lists and/or lattices; per utterance the hypotheses ranked by total (natural log).
-        Header `X-Request-Timeout` (seconds) may shorten the server's deadline."""
+        Header `X-Request-Timeout` (seconds) may shorten the server's deadline. With `session`, the one utterance
+        is rescored after the session's last transcripts, and its own is kept for the next request."""
         timeout = svc.timeout(request)
         raw = await read_raw(request)
         size, in_place = len(raw), len(raw) <= PREPARE_IN_PLACE_BYTES
         body = await parse_body(raw, RescoreRequest, in_place)
+        if body.session is None:
+            return await _rescore(request, body, timeout, size, in_place)
+        _check_session_request(body)
+        lease, context = await svc.acquire(request, body.session, timeout)
+        said = None
+        try:
+            body.utterances[0].context = [" ".join(words) for words in context] or None
+            response, said = await _rescore(request, body, timeout, size, in_place, transcript=True)
+            return response
+        finally:
+            svc.release(request, body.session, lease, said)
+
+    async def _rescore(request: Request, body: RescoreRequest, timeout: float, size: int, in_place: bool,
+                       transcript: bool = False):
         lattice = any(u.lattice is not None for u in body.utterances)
         words = 0 if lattice else sum(_words(h.words, h.text) for u in body.utterances for h in u.hypotheses)
         inline = not lattice and words <= INLINE_WORDS
@@ -47,7 +73,30 @@ def _add_scoring_routes(app: FastAPI, svc: Service) -> None:
         work = await off_loop(inline or in_place, rescore_work, body, svc.models, svc.settings, early)
         scored = await svc.submit(work, request, timeout)
         inline = inline and work.hypotheses <= INLINE_HYPOTHESES
-        return await answer(inline, lambda: rescore_response(result(svc.models, work, scored), body), size)
+        if not transcript:
+            return await answer(inline, lambda: rescore_response(result(svc.models, work, scored), body), size)
+        done = result(svc.models, work, scored)
+        return await answer(inline, lambda: rescore_response(done, body), size), _transcript(done.items[0])
+
+    @app.post("/v1/sessions", response_model=SessionOut, status_code=201, responses=ERRORS)
+    async def create_session(request: Request) -> JSONResponse:
+        """A session: a stream of utterances (one per /rescore request naming it) each rescored after the last
+        `context_utts` transcripts chosen for the ones before. It is the API key's, and ends when deleted or
+        after session_ttl_s without a request."""
+        body, _ = await _read(request, SessionIn)
+        k = svc.settings.session_context_utts if body.context_utts is None else body.context_utts
+        return JSONResponse(await svc.session("create", request, body.id, k=k), status_code=201)
+
+    @app.get("/v1/sessions/{session}", response_model=SessionOut, responses=ERRORS)
+    async def describe_session(session: SessionId, request: Request) -> JSONResponse:
+        """The session's transcripts kept, and how long it has left."""
+        return JSONResponse(await svc.session("describe", request, session))
+
+    @app.delete("/v1/sessions/{session}", status_code=204, responses=ERRORS)
+    async def delete_session(session: SessionId, request: Request) -> Response:
+        """End the session now (its waiting requests are answered 404)."""
+        await svc.session("delete", request, session)
+        return Response(status_code=204)
 
     @app.post("/score", response_model=ScoreResponse, responses=ERRORS)
     async def score(request: Request) -> Response:
@@ -93,6 +142,22 @@ def _add_status_routes(app: FastAPI, svc: Service) -> None:
         info = svc.models.info
         return ModelsResponse.model_validate({**info, "cost_model": {**info.get("cost_model", {}),
                                                                      "lattice_ratio": svc.lattice_ratio}})
+
+
+def _check_session_request(body: RescoreRequest) -> None:
+    if len(body.utterances) != 1:
+        raise ServiceError(f"a request of a session holds one utterance, the next one said (got "
+                           f"{len(body.utterances)}); send the others as the session's next requests", "utterances")
+    if body.utterances[0].context is not None:
+        raise ServiceError("give either 'session' (whose last transcripts are the context) or 'context', not both",
+                           "utterances[0].context")
+
+
+def _transcript(item) -> list[str]:
+    """What a session keeps of a rescored utterance: a lattice's transcript, a list's best hypothesis."""
+    if item.transcript is not None:
+        return list(item.transcript.words)
+    return list(item.hypotheses[0].words) if item.hypotheses else []
 
 
 async def _read(request: Request, model: type) -> tuple:

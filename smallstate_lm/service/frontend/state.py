@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import math
+import os
 import time
 
 from fastapi import Request
@@ -18,9 +20,10 @@ from smallstate_lm.errors import SmallstateError
 from ..admission import admit, check_backlog, check_lists
 from ..board import Board
 from ..errors import ClientGone, DeadlineExceeded, ServiceError, Unavailable
-from ..messages import Refused, Scored
+from ..messages import Refused, Scored, SessionCall
 from ..metrics import Metrics
 from ..model import Models
+from ..sessions import scope_of
 from ..settings import Settings
 from .client import EngineClient
 from .submit import engine_submit
@@ -30,6 +33,8 @@ log = logging.getLogger("smallstate_lm.service")
 ARRIVAL = "smallstate.arriving"  # scope key: the request is counted as on its way in (Service.receive)
 T0 = "smallstate.t0"  # scope key: when the request arrived (time.perf_counter); its deadline counts from it
 TIMEOUT_HEADER = "x-request-timeout"
+SESSION_CALL_S = 5.0  # a session operation other than waiting for a turn is answered at once by the engine
+LEASE_MARGIN_S = 2.0  # a turn outlives its request's deadline by this much, for the answer's way back
 
 
 class Service:
@@ -52,6 +57,7 @@ class Service:
         self.failed: str | None = None  # why the model may not serve, once known
         self.stop_at = math.inf  # once shutting down: when every request gets its answer (perf_counter seconds)
         self.stopping = asyncio.Event()
+        self._leases = itertools.count(1)
 
     @property
     def arriving(self) -> int:
@@ -187,10 +193,61 @@ class Service:
         raise DeadlineExceeded(f"no answer within the request's deadline of {timeout:g} s (X-Request-Timeout, at "
                                f"most request_timeout_s); its work was stopped", limit=timeout)
 
+    # ---- sessions (kept by the engine: `sessions.SessionStore`) --------------------------------------------
+    async def session(self, op: str, request: Request, name: str, **fields) -> object:
+        """A session operation for the client of `request` (its sessions are those of its API key); the engine's
+        answer, or its error raised."""
+        if not self.ready:
+            raise self.unavailable()
+        msg = SessionCall(0, op, session_scope(request), name, **fields)
+        future = self.client.session(msg)
+        done = await self.wait_any({future}, time.perf_counter() + SESSION_CALL_S)
+        if future not in done:
+            self.client.pending.pop(msg.id, None)
+            raise Unavailable("the engine did not answer a session call in time; retry shortly", retry_after=1)
+        reply = future.result()
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    async def acquire(self, request: Request, name: str, timeout: float) -> tuple[str, list[list[str]]]:
+        """Wait for the session's turn of this request (arrival order at the engine) within its deadline: (its
+        lease, the session's last transcripts). The turn is this request's until `release` or its deadline."""
+        if not self.ready:
+            raise self.unavailable()
+        deadline = request_deadline(request, timeout)
+        lease = f"{self.index}-{os.getpid()}-{next(self._leases)}"
+        msg = SessionCall(0, "acquire", session_scope(request), name, lease=lease,
+                          lease_s=max(0.0, deadline - time.perf_counter()) + LEASE_MARGIN_S)
+        future = self.client.session(msg)
+        try:
+            done = await self.wait_any({future}, deadline)
+        except asyncio.CancelledError:
+            self.release(request, name, lease, None)
+            raise
+        if future not in done:
+            self.client.pending.pop(msg.id, None)
+            self.release(request, name, lease, None)
+            raise DeadlineExceeded(f"the requests of session {name!r} before this one did not finish within its "
+                                   f"deadline of {timeout:g} s", "session", limit=timeout)
+        reply = future.result()
+        if reply.error is not None:
+            raise reply.error
+        return lease, reply.value
+
+    def release(self, request: Request, name: str, lease: str, said: list[str] | None) -> None:
+        """The request of `lease` is done with the session: `said` (its transcript; None when it failed) is kept."""
+        self.client.session(SessionCall(0, "release", session_scope(request), name, lease=lease, said=said))
+
     def early_checks(self, request: Request, timeout: float, field: str) -> EarlyChecks:
         """The checks a large request's preparation makes as it goes, with the worker's backlog as it is now."""
         return EarlyChecks(request_deadline(request, timeout), timeout, field, self.settings.slice_ms / 1000,
                            self.board.long_backlog())
+
+
+def session_scope(request: Request) -> str:
+    """The scope of a request's sessions: its API key (the middleware has checked it already)."""
+    return scope_of(request.headers.get("authorization"))
 
 
 def request_deadline(request: Request, timeout: float) -> float:

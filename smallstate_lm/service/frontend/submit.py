@@ -34,7 +34,7 @@ def engine_submit(models: Models, work: Work, remaining: float, timeout: float) 
                               count=int(words.sum()))
             tokens = np.insert(ids, np.cumsum(words), EOS_ID)  # </s> after each hypothesis' words
             jobs.append(ListJob(tokens, words + 1, it.seconds, it.depth, it.tree))
-    lattices = [LatticeJob(it.lattice, f, it.seconds, it.nbytes)
+    lattices = [LatticeJob(it.lattice, f, it.seconds, it.nbytes, it.context)
                 for it, f in zip(work.items, work.fields) if isinstance(it, LatticeItem)]
     return Submit(0, work.kind, work.weights, jobs, lattices, cost=work.cost, seconds=work.seconds,
                   lattice_seconds=work.lattice_seconds, tokens_total=work.tokens_total,

@@ -21,7 +21,7 @@ from smallstate_lm.rescoring.lattices.lattice import Lattice
 from smallstate_lm.rescoring.nbest.components import Components
 from smallstate_lm.rescoring.nbest.lists import Hypothesis, Utterance
 from smallstate_lm.scoring.trie import TreeSize, trie_sizes
-from smallstate_lm.vocab import EOS_ID
+from smallstate_lm.vocab import EOS, EOS_ID
 from smallstate_lm.weights import Weights, check_overlap
 
 from ..cost import LatticeShape, lattice_shape, lattices_together
@@ -55,6 +55,7 @@ class NbestItem:
 class LatticeItem:
     lattice: Lattice  # prepared (see `prepared`); its name is the utterance id
     n: int  # distinct word sequences to return
+    context: list[list[str]] | None = None  # sentences said before it: its LMs start after them
     hyps: list[ScoredPath] | None = None  # ExpandedLattice.nbest
     transcript: Decoded | None = None  # the best path or the consensus (weights.decode), with confidences
     lm_steps: int = 0
@@ -121,8 +122,16 @@ def request_weights(models: Models, overrides: dict[str, Any]) -> Weights:
     return w
 
 
+def context_words(sentences: list[list[str]]) -> list[str]:
+    """What a list's hypotheses are read after, as words: each context sentence then `</s>` (which the neural
+    LM's vocabulary takes as its end token), so a hypothesis follows a sentence's end as in training across
+    sentences, and as `rescore --utt2doc` reads it."""
+    return [w for s in sentences for w in (*s, EOS)]
+
+
 def nbest_item(utt: Utterance, context: list[str], ids: list[str] | None = None) -> NbestItem:
-    """`utt`'s hypotheses, scored after the `context` words (their own log-probs not counted). With `ids` (the
+    """`utt`'s hypotheses, scored after the `context` words (`context_words`; their own log-probs not counted,
+    the n-gram's taken from `<s>`). With `ids` (the
     ones the hypotheses came with), `utt`'s hypotheses have their positions as ids already and are taken as
     they are."""
     if ids is not None:
