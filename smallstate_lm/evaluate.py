@@ -78,11 +78,11 @@ def with_context(seqs: Sequence[Sequence[int]], k: int, docs: Sequence[str] | No
     """Each encoded sentence (`w.. </s>`) after the up to `k` sentences before it in the same document
     (`docs`: each sentence's document; None: one running text), the way a context-trained LM reads them."""
     out = []
+    before: dict[str, list[int]] = {}  # each document's sentences so far (documents may interleave)
     for i, s in enumerate(seqs):
-        first = max(0, i - k)
-        while docs is not None and first < i and docs[first] != docs[i]:
-            first += 1
-        out.append([t for j in range(first, i) for t in seqs[j]] + list(s))
+        mine = before.setdefault(docs[i] if docs is not None else "", [])
+        out.append([t for j in mine[len(mine) - k:] if k > 0 for t in seqs[j]] + list(s))
+        mine.append(i)
     return out
 
 
@@ -116,6 +116,10 @@ def evaluate_file(model_path: str | os.PathLike, text: str | os.PathLike, device
         from .errors import ConfigError
 
         raise ConfigError(f"context sentences must be >= 0, got {context_sentences}")
+    if utt2doc is not None and not context_sentences:
+        from .errors import ConfigError
+
+        raise ConfigError("--utt2doc says where context may not cross: give it with --context-sentences K")
     lm = load_neural(model_path, device, precision=precision)
     sentences = read_sentences(text)
     docs = read_docs(utt2doc, len(sentences)) if utt2doc is not None else None

@@ -118,8 +118,6 @@ def test_with_context_reads_each_sentence_after_the_k_before_it_in_its_document(
     assert with_context(s, 5, ["a", "a", "b", "b"]) == [[10, 1], [10, 1, 20, 1], [30, 1], [30, 1, 40, 1]]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: with_context walks back over positions, not over the sentences of "
-                   "the same document: with interleaved documents it reads another document's sentence")
 def test_with_context_never_crosses_documents_that_interleave():
     s = [[10, 1], [20, 1], [30, 1]]
     assert with_context(s, 2, ["a", "b", "a"])[2] == [10, 1, 30, 1]
@@ -520,15 +518,11 @@ def archive_runs(tmp_path_factory, tiny_lm_dir):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="bug: local_pool._document_tasks makes each archive a task of its own, so "
-                   "an archive's utterances are not read after their documents' utterances in other inputs")
 def test_two_jobs_read_archive_entries_after_their_documents_other_inputs(archive_runs):
     one, two = (_jsonl(archive_runs[j] / "nbest.jsonl") for j in ("1", "2"))
     assert _same_scores(one, two)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: with context and an archive among the inputs, the local pool adds "
-                   "results without their index and LatticeOutputs has no paths to rank them by")
 def test_two_jobs_keep_the_input_order_with_an_archive(archive_runs):
     one, two = ((archive_runs[j] / "best.txt").read_text() for j in ("1", "2"))
     assert [x.split()[0] for x in one.splitlines()] == ["slt-dev0002", "slt-dev0003", "slt-dev0000", "slt-dev0001"]

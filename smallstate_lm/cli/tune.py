@@ -63,9 +63,10 @@ def tune(
     path_choice: bool = PATH_CHOICE,
     batch_tokens: int = typer.Option(8192),
     utt2doc: Optional[Path] = UTT2DOC,
-    context_utts: str = typer.Option("1,2,4", "--context-utts", help="With --utt2doc: the numbers of previous "
-                                     "utterances to try as context, after the weights are tuned without it; the "
-                                     "one with the fewest dev errors (or 0) goes into the weights file."),
+    context_utts: Optional[str] = typer.Option(None, "--context-utts", help="With --utt2doc: the numbers of "
+                                               "previous utterances to try as context, after the weights are tuned "
+                                               "without it; the one with the fewest dev errors (or 0) goes into the "
+                                               "weights file [default: 1,2,4]."),
     ngram_context: bool = NGRAM_CONTEXT,
     quiet: bool = typer.Option(False),
 ):
@@ -76,7 +77,9 @@ def tune(
     from ..rescoring.runs.tune_run import tune_search
 
     check_precision(precision)
-    candidates = _context_candidates(context_utts)
+    if utt2doc is None and context_utts is not None:
+        raise ConfigError("--context-utts needs --utt2doc (which utterances follow which)")
+    candidates = _context_candidates(context_utts or "1,2,4")
     context = context_plan(utt2doc, None, None, ngram_context)
     base = load_weights(weights, set_)
     if interpolation is not None:

@@ -86,16 +86,18 @@ def _tasks(paths: Sequence[str], per_task: int) -> list[list[str]]:
     return tasks + ([run] if run else [])
 
 
-def _document_tasks(specs: Sequence[str], context) -> list[list[str]]:
-    """With context, whole documents per task (a document's utterances depend on each other); a Kaldi archive
-    or k2 file, whose utterances are known only once read, is one task with all of its documents."""
+def _document_tasks(specs: Sequence[str], context) -> list[list[str]] | None:
+    """With context, whole documents per task (a document's utterances depend on each other). None where a
+    Kaldi archive or k2 file is among the inputs: its utterances, known only once read, may belong to any
+    document, so the inputs are one task."""
     from ..formats.resolve import utterance_id
     from .context_run import document_groups
 
-    singles = [p for p in specs if not is_archive_input(p)]
-    context.check([utterance_id(Path(p)) for p in singles], "lattices")
-    groups = document_groups([utterance_id(Path(p)) for p in singles], context)
-    return [[singles[i] for i in g] for g in groups] + [[p] for p in specs if is_archive_input(p)]
+    if any(is_archive_input(p) for p in specs):
+        return None
+    names = [utterance_id(Path(p)) for p in specs]
+    context.check(names, "lattices")
+    return [[specs[i] for i in g] for g in document_groups(names, context)]
 
 
 def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out: Path,
@@ -110,9 +112,10 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
     specs = [str(p) for p in paths]
     check_archive_outputs(specs)
     per_task = job.config.lattices_per_batch(job.lm is not None)
-    if job.context is not None:
-        tasks = _document_tasks(specs, job.context)
-    else:
+    by_document = job.context is not None and (tasks := _document_tasks(specs, job.context)) is not None
+    if job.context is not None and not by_document:
+        tasks = [specs]
+    elif not by_document:
         tasks = _tasks(specs, min(per_task, -(-len(specs) // (2 * jobs))))  # two tasks per worker at least
     single = specs if all(is_single_lattice_file(p) for p in specs) else None  # the progress bar's total, when known
     outputs = LatticeOutputs(single, out, refs, job.write_lattices, progress, on_error, job.ctm, job.archive_text)
@@ -125,8 +128,8 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
         for blobs, calls in pool.map(_run, tasks):
             lm_calls += calls
             for blob in blobs:
-                # documents are tasks out of input order: single files are put in order by name, not by index
-                outputs.add(pickle.loads(blob), index if job.context is None else None)
+                # documents are tasks out of input order: their files are put in order by name, not by index
+                outputs.add(pickle.loads(blob), None if by_document else index)
                 index += 1
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)  # an error ends the run now, not after the queued tasks
