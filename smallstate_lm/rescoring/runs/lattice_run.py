@@ -11,11 +11,11 @@ from typing import Callable, Sequence
 from ...errors import ConfigError
 from ...lms import load_lms
 from ...weights import Weights
-from ..lattices.lattice import SymbolTable
 from ..expand.rescorer import ExpandConfig, LatticeRescorer, build_rescorer
-from .lattice_files import LatticeRunSummary, RunOptions, rescore_lattice_files
 from ..formats.resolve import ResolvedInput, resolve_input
+from ..lattices.lattice import SymbolTable
 from .context_run import ContextPlan
+from .lattice_files import LatticeRunSummary, RunOptions, rescore_lattice_files
 
 
 def classify_inputs(inputs: Sequence[Path]) -> tuple[list[ResolvedInput], bool]:

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ...lms import load_lms
 from ...weights import Weights
+from ..decode.wer import ErrorCounts, write_wer_report
 from ..nbest.components import Components, ScoreStats, apply_weights, compute_components
 from ..nbest.confidence import with_confidences
 from ..nbest.formats import ImportOptions, read_nbest_inputs
 from ..nbest.lists import Utterance, write_nbest_jsonl, write_text
-from ..decode.wer import ErrorCounts, write_wer_report
 from .context_run import ContextPlan, nbest_in_context
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ import numpy as np
 
 from ...errors import ConfigError, SmallstateError
 from ...weights import COMPONENTS, Weights, weight_vector
+from ..decode.wer import align_counts
 from ..nbest.components import MBR_DECIMALS, Components, linear_lm, mbr_distances
 from ..nbest.lists import Utterance
-from ..decode.wer import align_counts
 
 DEFAULT_GRID = {
     "lm_weight": np.round(np.arange(0.0, 2.01, 0.1), 3).tolist(),

@@ -12,10 +12,10 @@ from typing import Callable, Sequence
 from ...errors import SmallstateError
 from ...weights import Weights
 from ..formats.resolve import ResolvedInput
-from .lattice_run import LatticeRun, build_lattice_rescorer, lattice_symbols
 from ..nbest.formats import ImportOptions, read_nbest_inputs
 from ..nbest.lists import read_text
 from .context_run import ContextPlan
+from .lattice_run import LatticeRun, build_lattice_rescorer, lattice_symbols
 from .nbest_run import NBestScoring, load_scorers, score_nbest
 from .tune import DEFAULT_GRID, LAM_GRID, TuneResult, tune, tune_lattices
 
