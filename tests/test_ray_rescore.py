@@ -166,3 +166,24 @@ def test_an_address_nothing_answers_on_fails_at_once(tmp_path, kenlm_model):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --ray 127.0.0.1:{port}: no Ray cluster")
     assert not (tmp_path / "out").exists()
+
+
+def test_documents_in_spoken_order_on_two_actors_write_what_the_local_run_writes(tmp_path, ray_address, tiny_lm_dir,
+                                                                                  kenlm_model):
+    from smallstate_lm.rescoring.runs.context_run import ContextPlan
+
+    paths = _lattices()
+    utt2doc = tmp_path / "utt2doc"
+    # two documents, each spoken in the reverse of the files' order
+    utt2doc.write_text("".join(f"{p.name.split('.')[0]} {p.name[:3]}\n" for p in reversed(paths)))
+    plan = ContextPlan.read(utt2doc, 1)
+    lm = load_model(tiny_lm_dir)
+    rescorer = LatticeRescorer(W, lm.model, lm.vocab, NgramLM(kenlm_model), ExpandConfig())
+    rescore_lattice_files(paths, SymbolTable.read(WORDS), rescorer, tmp_path / "local", read_text(LAT_DIR / "ref.txt"),
+                          progress=False, context=plan)
+    job = RescoreJob(str(WORDS.resolve()), str(tiny_lm_dir.resolve()), str(kenlm_model.resolve()), W, ExpandConfig(),
+                     context=plan)
+    rescore_lattice_files_ray(paths, job, tmp_path / "ray", read_text(LAT_DIR / "ref.txt"),
+                              cluster=RayCluster(max_actors=2), progress=False)
+    assert_same_outputs(tmp_path / "local", tmp_path / "ray", same_batches=False)
+    assert (tmp_path / "local" / "best.txt").read_text() == (tmp_path / "ray" / "best.txt").read_text()

@@ -123,9 +123,6 @@ def _on_ray(sources, run: LatticeRun, out, refs, on_error) -> LatticeRunSummary:
     from .ray_runner import RayCluster, rescore_lattice_files_ray
 
     job = _worker_job(run)
-    if run.context is not None:
-        raise ConfigError("--utt2doc rescores each document in spoken order on one machine: use --jobs N "
-                          "(whole documents per worker) instead of --ray")
     if run.outputs.ctm is not None or any(s.many for s in sources):
         raise ConfigError("--ray rescores single lattice files (.fst, SLF) without --ctm; rescore Kaldi "
                           "archives and k2 files, and write CTMs, without --ray")

@@ -38,6 +38,9 @@ from .jobs import RescoreJob, load_rescorer
 from .lattice_files import LatticeOutputs, LatticeRunSummary, rescore_lattices
 
 
+SEP = "\n"  # joins a document's paths (and their indices) in one row: no path holds a newline
+
+
 class LatticeWorker:
     """A Ray Data map_batches callable: loads the LMs once, then turns each batch of
     lattice paths into rescoring results.
@@ -63,16 +66,27 @@ class LatticeWorker:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         paths = [str(p) for p in batch["path" if self.in_cwd else "abspath"]]
+        index = np.asarray(batch["index"])
+        if self.job.context is not None:  # one document: its paths and their indices joined (`_dataset`)
+            paths = paths[0].split(SEP)
+            index = np.array([int(i) for i in str(index[0]).split(SEP)], dtype=np.int64)
         n = len(paths)
         results = np.empty(n, dtype=object)  # (n,) pickled LatticeResult
         calls_before = self.rescorer.lm_calls
-        for i, r in rescore_lattices(paths, self.symbols, self.rescorer, self.job.nbest, self.job.write_lattices):
+        if self.job.context is not None:  # a batch is whole documents (`_dataset`): read in spoken order
+            from .context_run import lattices_in_context
+
+            results_of = lattices_in_context(paths, self.symbols, self.rescorer, self.job.context, self.job.nbest,
+                                             self.job.write_lattices)
+        else:
+            results_of = rescore_lattices(paths, self.symbols, self.rescorer, self.job.nbest, self.job.write_lattices)
+        for i, r in results_of:
             # Pickled here, as Ray would pickle a column of arbitrary objects anyway, but without
             # its failed attempt at an Arrow conversion first; only the driver unpickles it.
             results[i] = pickle.dumps(r.without_symbols(), protocol=pickle.HIGHEST_PROTOCOL)
         lm_calls = np.zeros(n, dtype=np.int64)
         lm_calls[:1] = self.rescorer.lm_calls - calls_before
-        return {"index": np.asarray(batch["index"]), "result": results, "lm_calls": lm_calls}
+        return {"index": index, "result": results, "lm_calls": lm_calls}
 
 
 def _connect(address: str) -> bool:
@@ -185,10 +199,22 @@ def _dataset(paths: list[Path], job: RescoreJob, cluster: RayCluster):
         raise ConfigError(f"device {cluster.device!r} requested but the Ray cluster has no GPUs")
     use_gpu = gpus > 0 and cluster.device != "cpu"
     batch = cluster.batch_size or job.config.lattices_per_batch(job.lm is not None)
-    n_batches = math.ceil(len(paths) / batch)
+    order = list(range(len(paths)))
+    if job.context is not None:  # a row per document, a batch per row: one worker reads a document in order
+        from ..formats.resolve import utterance_id
+        from .context_run import document_groups
+
+        names = [utterance_id(p) for p in paths]
+        job.context.check(names, "lattices")
+        groups = document_groups(names, job.context)
+        items = [{"index": SEP.join(map(str, g)), "path": SEP.join(str(paths[i]) for i in g),
+                  "abspath": SEP.join(str(paths[i].resolve()) for i in g)} for g in groups]
+        batch = 1
+    else:
+        items = [{"index": i, "path": str(p), "abspath": str(p.resolve())} for i, p in enumerate(paths)]
+    n_batches = math.ceil(len(items) / batch)
     actors = min(cluster.max_actors or (gpus if use_gpu else max(1, int(resources.get("CPU", 1)))), n_batches)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver's own bar counts lattices
-    items = [{"index": i, "path": str(p), "abspath": str(p.resolve())} for i, p in enumerate(paths)]
     # One block per batch keeps the batches in input order, as the local run forms them.
     ds = ray.data.from_items(items, override_num_blocks=n_batches)
     return ds.map_batches(LatticeWorker, fn_constructor_args=(job, "cuda" if use_gpu else "cpu", os.getcwd()),
