@@ -37,7 +37,6 @@ from ...errors import ConfigError, SmallstateError
 from .jobs import RescoreJob, load_rescorer
 from .lattice_files import LatticeOutputs, LatticeRunSummary, rescore_lattices
 
-
 SEP = "\n"  # joins a document's paths (and their indices) in one row: no path holds a newline
 
 
