@@ -198,7 +198,6 @@ def _dataset(paths: list[Path], job: RescoreJob, cluster: RayCluster):
         raise ConfigError(f"device {cluster.device!r} requested but the Ray cluster has no GPUs")
     use_gpu = gpus > 0 and cluster.device != "cpu"
     batch = cluster.batch_size or job.config.lattices_per_batch(job.lm is not None)
-    order = list(range(len(paths)))
     if job.context is not None:  # a row per document, a batch per row: one worker reads a document in order
         from ..formats.resolve import utterance_id
         from .context_run import document_groups
