@@ -73,7 +73,8 @@ def run_voice(vdir: Path, lm, ngram: NgramLM, plan: ContextPlan, symbols: Symbol
     if not lattices:
         return out
     files = [str(vdir / "fst" / f"{u}.lat.fst") for u in names]
-    la: dict = {"weights": [], "errors": {str(s): [{}, {}] for s in settings}, "seconds": {}, "states": {}}
+    la: dict = {"weights": [], "errors": {str(s): [{}, {}] for s in settings}, "seconds": {}, "states": {},
+                "peak_mib": {}}
     for k in range(2):
         w0 = Weights(**nb["weights"][k])
         tr = [u for u in names if fold_of[u] == k]
@@ -91,6 +92,7 @@ def run_voice(vdir: Path, lm, ngram: NgramLM, plan: ContextPlan, symbols: Symbol
                     raise SystemExit(res.error)
                 best[res.name] = res.best
                 states += res.stats.expanded_states
+                la["peak_mib"][str(s)] = max(la["peak_mib"].get(str(s), 0.0), res.stats.peak_state_bytes / 2**20)
             la["seconds"][str(s)] = la["seconds"].get(str(s), 0.0) + time.perf_counter() - t0
             la["states"][str(s)] = la["states"].get(str(s), 0) + states
             la["errors"][str(s)][k] = errors_of(best, refs)
@@ -158,6 +160,11 @@ def summarize(res: dict) -> None:
             words = sum(v["ref_words"].values())
             row = {s: 100 * sum(e.values()) / words for s, e in tf["per_utt"].items()}
             print(f"{kind} {voice}: " + ", ".join(f"{s} {x:.2f}" for s, x in row.items()), "chosen K", tf["chosen_k"])
+            print(f"{kind} {voice} seconds (both folds' runs): " + ", ".join(
+                f"{s} {x:.0f}" for s, x in v[kind]["seconds"].items()))
+            if "peak_mib" in v[kind]:
+                print(f"{kind} {voice} peak LM state MiB: " + ", ".join(
+                    f"{s} {x:.1f}" for s, x in v[kind]["peak_mib"].items()))
             for s, e in tf["per_utt"].items():
                 pooled.setdefault(s, []).extend(e[u] for u in sorted(e))
         base = np.array(pooled["0"])

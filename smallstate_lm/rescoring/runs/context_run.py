@@ -19,6 +19,7 @@ from ...weights import Weights
 from ..formats.lattice_io import LatticeInput, lattice_inputs
 from ..nbest.components import Components, ScoreStats, apply_weights, compute_components
 from ..nbest.lists import Utterance
+from .lattice_files import rescore_lattices
 
 CONTEXT_KEY = "context_utts"  # where a weights file made by `tune --utt2doc` keeps the K it chose
 
@@ -65,6 +66,10 @@ class ContextPlan:
 
     def with_utts(self, utts: int) -> ContextPlan:
         return dataclasses.replace(self, utts=utts)
+
+    def lattices(self, inputs, symbols, rescorer, nbest: int = 10, write_lattices: bool = True, ctm=None):
+        """`lattices_in_context` under this plan (what `rescore_lattice_files` calls with one)."""
+        return lattices_in_context(inputs, symbols, rescorer, self, nbest, write_lattices, ctm)
 
     def document(self, name: str) -> str:
         return self.order[name][0]
@@ -169,8 +174,6 @@ def lattices_in_context(inputs: Iterable, symbols, rescorer, plan: ContextPlan, 
     lattice expanded from its LMs' state after its document's chosen transcripts (`LatticeRescorer.
     context_start`). A lattice that fails is reported as a result and leaves its document's context as it
     was. `said`: as for `nbest_in_context`."""
-    from .lattice_files import rescore_lattices
-
     items = [_held(it) for x in inputs
              for it in ([x] if isinstance(x, LatticeInput) else lattice_inputs([x], symbols))]
     names = [it.name for it in items]

@@ -441,9 +441,7 @@ def rescore_lattice_files(inputs: Sequence[Path | str | ResolvedInput], symbols:
     calls_before = rescorer.lm_calls
     try:
         if context is not None:
-            from .context_run import lattices_in_context
-
-            results = lattices_in_context(sources, symbols, rescorer, context, o.nbest, o.write_lattices, o.ctm)
+            results = context.lattices(sources, symbols, rescorer, o.nbest, o.write_lattices, o.ctm)
         else:
             results = rescore_lattices(sources, symbols, rescorer, o.nbest, o.write_lattices, o.ctm)
         for i, r in results:
