@@ -52,7 +52,9 @@ BAD_REQUESTS = [  # (body, status, field)
     ({"utterances": [{"id": "u", "lattice": {"format": "htk-slf", "data": "VERSION=1.0\nN=2 L=1\nJ=0 S=0 E=5\n"}}]},
      422, "utterances[0].lattice.data"),
     ({"utterances": [{"id": "u", "lattice": {"format": "openfst-text", "data": "0 1 a a\n1\n", "words": {"a": 1},
-                                              }, "context": "x"}]}, 422, "utterances[0].context"),
+                                              }, "context": ["x"] * 9}]}, 422, "utterances[0].context"),  # > 8
+    ({"utterances": [utt(context=["x", "y " * 201])]}, 422, "utterances[0].context[1]"),  # > max_words
+    ({"utterances": [utt()], "session": "no such session"}, 422, "session"),  # not an id's characters
     ({"utterances": [utt()], "weights": {"lam": 2}}, 422, "weights.lam"),
     ({"utterances": [utt()], "weights": {"lm_wieght": 1}}, 422, "weights.lm_wieght"),
     ({"utterances": [utt()], "weights": {"mbr_scale": -1}}, 422, "weights.mbr_scale"),

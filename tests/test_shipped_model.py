@@ -90,3 +90,18 @@ def test_demo_prints_first_pass_ngram_alone_and_neural_plus_ngram(tmp_path):
     assert first[0] == first[1]
     assert (tmp_path / "demo" / "rescored" / "best.txt").exists()
     assert all(0.0 <= v <= 100.0 for v in wer.values()), wer
+
+
+CONTEXT_MODEL = ROOT / "models" / "bible-context"
+
+
+def test_the_shipped_context_model_reads_the_sentences_before_as_documented():
+    """models/bible-context (bible-small fine-tuned across sentences): dev perplexity as documented with each
+    sentence read alone and after the four before it, and as small as the sentence model's."""
+    documented = json.loads((CONTEXT_MODEL / "results.json").read_text())["dev"]
+    alone = evaluate_file(CONTEXT_MODEL, DEV)
+    after = evaluate_file(CONTEXT_MODEL, DEV, context_sentences=4)
+    assert alone["tokens"] == after["tokens"] == documented["tokens"]
+    assert alone["perplexity"] == pytest.approx(documented["perplexity"], rel=0.005)
+    assert after["perplexity"] == pytest.approx(documented["perplexity_after_4"], rel=0.005)
+    assert (CONTEXT_MODEL / "model.pt").stat().st_size <= 20 * 2**20

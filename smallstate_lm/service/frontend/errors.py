@@ -58,10 +58,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def _field(loc) -> str:
-    """('body', 'utterances', 0, 'hypotheses') -> 'utterances[0].hypotheses'."""
+    """('body', 'utterances', 0, 'hypotheses') -> 'utterances[0].hypotheses'. A union's member tags in the path
+    ('list[...]', 'function-after[...]': no field has brackets in its name) are left out."""
     out = ""
     for part in loc:
-        if part == "body" and not out:
+        if (part == "body" and not out) or (isinstance(part, str) and "[" in part):
             continue
         if isinstance(part, int):
             out += f"[{part}]"
