@@ -102,6 +102,43 @@ def run_voice(vdir: Path, lm, ngram: NgramLM, plan: ContextPlan, symbols: Symbol
     return out
 
 
+def in_order(names, vdir: Path, symbols, rescorer, plan: ContextPlan, w: Weights):
+    """Each lattice of `names` expanded in spoken order after its document's chosen transcripts (under `w`):
+    {name: ExpandedLattice}, for tuning the weights on what the LMs see with context."""
+    histories: dict = {}
+    out = {}
+    for wave in plan.waves(names):
+        lats = [read_fst(vdir / "fst" / f"{names[i]}.lat.fst", symbols) for i in wave]
+        starts = {j: rescorer.context_start(plan.history(histories, names[i]).sentences()) for j, i in enumerate(wave)}
+        for j, exp in rescorer.expand_many(lats, starts={j: s for j, s in starts.items() if s is not None},
+                                           batch=len(wave)):
+            out[names[wave[j]]] = exp
+            plan.history(histories, names[wave[j]]).add(exp.best_words(w))
+    return out
+
+
+def retune(res: dict, vdir: Path, lm, ngram, plan: ContextPlan, symbols, k_ctx: int) -> dict:
+    """The lattice weights tuned again on each fold's expansions read after its own chosen transcripts (K =
+    `k_ctx`, starting from the fold's no-context weights), then the other fold rescored in order with them."""
+    refs = read_text(vdir / "ref.txt")
+    fold = res["fold"]
+    errors = {}
+    weights = []
+    for k in range(2):
+        w = Weights(**res["lattices"]["weights"][k])
+        tr = [u for u in fold if fold[u] == k]
+        r = LatticeRescorer(w, lm.model, lm.vocab, ngram, ExpandConfig(max_ngram_order=4))
+        exps = in_order(tr, vdir, symbols, r, plan.with_utts(k_ctx), w)
+        w_ctx = tune_lattices(list(exps.values()), refs, w, GRID).weights
+        weights.append(dataclasses.asdict(w_ctx))
+        te = [u for u in fold if fold[u] != k]
+        r = LatticeRescorer(w_ctx, lm.model, lm.vocab, ngram, ExpandConfig(max_ngram_order=4))
+        for u, exp in in_order(te, vdir, symbols, r, plan.with_utts(k_ctx), w_ctx).items():
+            errors[u] = align_counts(refs[u], exp.best_words(w_ctx)).errors
+        print(vdir.name, "retuned fold", k, w_ctx, flush=True)
+    return {"errors": errors, "weights": weights, "k": k_ctx}
+
+
 def two_fold(voice: dict, kind: str) -> dict:
     """Per utterance, errors of each setting with the weights of the fold it was not tuned on, and of the K
     chosen on that fold (fewest errors there; ties to the smaller K)."""
@@ -138,7 +175,19 @@ def main() -> None:
     ap.add_argument("--am-scale", type=float, default=1 / 9.5)
     ap.add_argument("--no-lattices", action="store_true")
     ap.add_argument("--out", required=True, help="JSON file for the raw numbers")
+    ap.add_argument("--retune", type=int, default=None, metavar="K", help="with --out of an earlier run: the lattice "
+                    "weights tuned again on expansions read after K chosen transcripts (added to the JSON)")
     args = ap.parse_args()
+    if args.retune is not None:
+        lm = load_neural(args.lm)
+        res = json.loads(Path(args.out).read_text())
+        data, plan = Path(args.data), ContextPlan.read(Path(args.data) / "utt2doc")
+        for v in args.voices.split(","):
+            res[v]["retuned"] = retune(res[v], data / v, lm, NgramLM(args.ngram), plan,
+                                       SymbolTable.read(args.words), args.retune)
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+        summarize(res)
+        return
     lm = load_neural(args.lm)
     ngram = NgramLM(args.ngram)
     data = Path(args.data)
@@ -167,8 +216,16 @@ def summarize(res: dict) -> None:
                     f"{s} {x:.1f}" for s, x in v[kind]["peak_mib"].items()))
             for s, e in tf["per_utt"].items():
                 pooled.setdefault(s, []).extend(e[u] for u in sorted(e))
+        if kind == "lattices" and all("retuned" in v for v in res.values()):
+            pooled["retuned"] = []
+            for voice, v in res.items():
+                e = v["retuned"]["errors"]
+                words = sum(v["ref_words"].values())
+                print(f"lattices {voice}: weights re-tuned with context K={v['retuned']['k']}: "
+                      f"{100 * sum(e.values()) / words:.2f}")
+                pooled["retuned"].extend(e[u] for u in sorted(e))
         base = np.array(pooled["0"])
-        for s in ("1", "2", "4", "chosen", "ref"):
+        for s in [x for x in ("1", "2", "4", "chosen", "ref", "retuned") if x in pooled]:
             p = bootstrap_p(base, np.array(pooled[s]))
             print(f"{kind} pooled: {s} {int(np.sum(pooled[s]))} errors vs {int(base.sum())} without, p = {p:.4f}")
 
