@@ -179,7 +179,9 @@ def lattices_in_context(inputs: Iterable, symbols, rescorer, plan: ContextPlan, 
     names = [it.name for it in items]
     plan.check(names, "lattices")
     histories: dict[str, History] = {}
-    for wave in plan.waves(names):
+    per_block = rescorer.cfg.lattices_per_batch(rescorer.model is not None)
+    for wave in ([block[k] for k in local] for block in document_groups(names, plan, per_block)
+                 for local in plan.waves([names[i] for i in block])):
         starts = {}
         for j, i in enumerate(wave):
             start = rescorer.context_start(plan.history(histories, names[i]).sentences(), plan.ngram)
@@ -192,10 +194,16 @@ def lattices_in_context(inputs: Iterable, symbols, rescorer, plan: ContextPlan, 
             yield wave[j], r
 
 
-def document_groups(names: Sequence[str], plan: ContextPlan) -> list[list[int]]:
-    """Indices into `names` grouped by document (in order of each document's first input), for workers that
-    each take whole documents."""
+def document_groups(names: Sequence[str], plan: ContextPlan, per_block: int | None = None) -> list[list[int]]:
+    """Indices into `names` grouped by document (in order of each document's first input); with `per_block`,
+    blocks of that many documents. A run in spoken order takes one block at a time (a round of it holds the next
+    lattice of each of its documents), and `--jobs` and Ray workers take whole blocks: every lattice then shares
+    its LM calls with the same others whatever the number of workers, so the outputs are the same, float
+    rounding included."""
     groups: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         groups.setdefault(plan.document(n), []).append(i)
-    return list(groups.values())
+    docs = list(groups.values())
+    if per_block is None:
+        return docs
+    return [[i for d in docs[b : b + per_block] for i in d] for b in range(0, len(docs), per_block)]

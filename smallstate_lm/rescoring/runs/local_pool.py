@@ -86,10 +86,10 @@ def _tasks(paths: Sequence[str], per_task: int) -> list[list[str]]:
     return tasks + ([run] if run else [])
 
 
-def _document_tasks(specs: Sequence[str], context) -> list[list[str]] | None:
-    """With context, whole documents per task (a document's utterances depend on each other). None where a
-    Kaldi archive or k2 file is among the inputs: its utterances, known only once read, may belong to any
-    document, so the inputs are one task."""
+def _document_tasks(specs: Sequence[str], context, per_block: int) -> list[list[str]] | None:
+    """With context, whole blocks of `per_block` documents per task (a document's utterances depend on each
+    other; `context_run.document_groups`). None where a Kaldi archive or k2 file is among the inputs: its
+    utterances, known only once read, may belong to any document, so the inputs are one task."""
     from ..formats.resolve import utterance_id
     from .context_run import document_groups
 
@@ -97,7 +97,7 @@ def _document_tasks(specs: Sequence[str], context) -> list[list[str]] | None:
         return None
     names = [utterance_id(Path(p)) for p in specs]
     context.check(names, "lattices")
-    return [[specs[i] for i in g] for g in document_groups(names, context)]
+    return [[specs[i] for i in g] for g in document_groups(names, context, per_block)]
 
 
 def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out: Path,
@@ -112,7 +112,7 @@ def rescore_lattice_files_pool(paths: Sequence[Path | str], job, jobs: int, out:
     specs = [str(p) for p in paths]
     check_archive_outputs(specs)
     per_task = job.config.lattices_per_batch(job.lm is not None)
-    by_document = job.context is not None and (tasks := _document_tasks(specs, job.context)) is not None
+    by_document = job.context is not None and (tasks := _document_tasks(specs, job.context, per_task)) is not None
     if job.context is not None and not by_document:
         tasks = [specs]
     elif not by_document:

@@ -66,13 +66,13 @@ class LatticeWorker:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         paths = [str(p) for p in batch["path" if self.in_cwd else "abspath"]]
         index = np.asarray(batch["index"])
-        if self.job.context is not None:  # one document: its paths and their indices joined (`_dataset`)
+        if self.job.context is not None:  # one block of documents: its paths and their indices joined (`_dataset`)
             paths = paths[0].split(SEP)
             index = np.array([int(i) for i in str(index[0]).split(SEP)], dtype=np.int64)
         n = len(paths)
         results = np.empty(n, dtype=object)  # (n,) pickled LatticeResult
         calls_before = self.rescorer.lm_calls
-        if self.job.context is not None:  # a batch is whole documents (`_dataset`): read in spoken order
+        if self.job.context is not None:  # a batch is a block of whole documents (`_dataset`): in spoken order
             from .context_run import lattices_in_context
 
             results_of = lattices_in_context(paths, self.symbols, self.rescorer, self.job.context, self.job.nbest,
@@ -198,13 +198,13 @@ def _dataset(paths: list[Path], job: RescoreJob, cluster: RayCluster):
         raise ConfigError(f"device {cluster.device!r} requested but the Ray cluster has no GPUs")
     use_gpu = gpus > 0 and cluster.device != "cpu"
     batch = cluster.batch_size or job.config.lattices_per_batch(job.lm is not None)
-    if job.context is not None:  # a row per document, a batch per row: one worker reads a document in order
+    if job.context is not None:  # a row per block of documents, a batch per row: one worker reads it in order
         from ..formats.resolve import utterance_id
         from .context_run import document_groups
 
         names = [utterance_id(p) for p in paths]
         job.context.check(names, "lattices")
-        groups = document_groups(names, job.context)
+        groups = document_groups(names, job.context, batch)
         items = [{"index": SEP.join(map(str, g)), "path": SEP.join(str(paths[i]) for i in g),
                   "abspath": SEP.join(str(paths[i].resolve()) for i in g)} for g in groups]
         batch = 1
