@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the Docker image and check it as a deployment uses it (`make docker-smoke`; CI runs it after the tests):
 # a KenLM n-gram built inside the container, the service started with the shipped model mounted at /models/lm,
-# /readyz, /rescore (an n-best list and a lattice), /score, /metrics, a 4xx, the health status, one clear line
+# /readyz, /rescore (an n-best list and a lattice), a session, /score, /metrics, a 4xx, the health status, one clear line
 # and a non-zero exit for bad deployment input (no model, a corrupt model, an unreadable n-gram, a port in use),
 # and `docker stop` answering the request in flight and exiting 0 within the grace time. It removes the
 # containers and files it made (the images stay, so the next run builds from cache) and reports each step's time
@@ -178,6 +178,26 @@ for h in d['utterances'][0]['hypotheses'])" "/rescore (lattice)"
   log "  ref:  $(grep "^$utt " lattices/ref.txt | cut -d' ' -f2-)"
 }
 
+session() {
+  echo '{"id": "smoke", "context_utts": 1}' >"$TMP/session.json"
+  local code; code="$(post /v1/sessions "$TMP/session.json" "$TMP/out.json")"
+  [ "$code" = 201 ] || fail "POST /v1/sessions answered $code: $(head -c 400 "$TMP/out.json")"
+  local utt
+  for utt in slt-dev0000 slt-dev0004; do  # two consecutive utterances of the session, the second after the first
+    gunzip -c "lattices/$utt.lm.slf.gz" | python3 -c 'import json, sys
+print(json.dumps({"session": "smoke", "utterances": [{"id": sys.argv[1], "lattice": {"format": "htk-slf", "data": sys.stdin.read()}}]}))' \
+      "$utt" >"$TMP/session-lattice.json"
+    code="$(post /rescore "$TMP/session-lattice.json" "$TMP/out.json")"
+    [ "$code" = 200 ] || fail "/rescore (session) answered $code: $(head -c 400 "$TMP/out.json")"
+  done
+  curl -sS -m 10 -o "$TMP/out.json" "$URL/v1/sessions/smoke" || fail "GET /v1/sessions/smoke did not answer"
+  check "$TMP/out.json" "d['context_utts'] == 1 and len(d['transcripts']) == 1" "GET /v1/sessions/smoke"
+  code="$(curl -s -o /dev/null -w '%{http_code}' -m 10 -X DELETE "$URL/v1/sessions/smoke" || true)"
+  [ "$code" = 204 ] || fail "DELETE /v1/sessions/smoke answered $code"
+  code="$(post /rescore "$TMP/session-lattice.json" "$TMP/out.json")"
+  [ "$code" = 404 ] || fail "/rescore of a deleted session answered $code, expected 404"
+}
+
 score() {
   echo '{"sentences": ["the lord said", "and he said unto them"]}' >"$TMP/score.json"
   local code; code="$(post /score "$TMP/score.json" "$TMP/out.json")"
@@ -268,6 +288,7 @@ step "a Hugging Face LM in the container (eval --model hf:DIR)" hf_lm
 step "service start, until /readyz is 200" start_ready
 step "/rescore, n-best list" rescore_nbest
 step "/rescore, lattice (HTK SLF)" rescore_lattice
+step "a session: two lattices in turn, then deleted" session
 step "/score" score
 step "bad requests: 422, 400" bad_request
 step "/metrics" metrics
