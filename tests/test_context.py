@@ -279,7 +279,30 @@ def test_waves_hold_each_documents_next_utterance_in_spoken_order(tmp_path):
     assert sorted(i for wave in waves for i in wave) == list(range(len(names)))
     assert plan.document("u5") == "B" and plan.utts == 2 and plan.with_utts(0).utts == 0
     assert document_groups(names, plan) == [[0, 4], [1, 2, 5], [3]]  # by each document's first input
+    # blocks of whole documents, the unit a run, a --jobs worker or a Ray actor takes
+    assert document_groups(names, plan, 2) == [[0, 4, 1, 2, 5], [3]]
+    assert document_groups(names, plan, 16) == [[0, 4, 1, 2, 5, 3]]
     assert plan.waves([]) == []
+
+
+def test_lattices_of_several_blocks_on_two_workers_write_what_one_process_writes(tmp_path, tiny_lm_dir, kenlm_model):
+    """With one lattice per block (--set batch-lattices is not a CLI option: the library's ExpandConfig), three
+    documents make three tasks; the outputs equal the one-process run's."""
+    from smallstate_lm.rescoring.expand.rescorer import ExpandConfig
+    from smallstate_lm.rescoring.runs.lattice_run import LatticeRun, classify_inputs, rescore_lattice_run
+    from smallstate_lm.weights import Weights
+
+    names = ["slt-dev0000", "kal-dev0000", "slt-dev0001", "kal-dev0001", "slt-dev0002"]
+    plan = ContextPlan.read(_utt2doc(tmp_path, "slt-dev0000 S\nkal-dev0000 K\nslt-dev0001 S\nkal-dev0001 K\n"
+                                               "slt-dev0002 T\n"), utts=1)
+    sources, _ = classify_inputs([LATTICES / f"{n}.lat.fst" for n in names])
+    for jobs in (1, 2):
+        run = LatticeRun(LATTICES / "words.txt", tiny_lm_dir, kenlm_model, Weights(am_scale=0.105),
+                         ExpandConfig(batch_lattices=1), device="cpu", jobs=jobs, progress=False, context=plan)
+        rescore_lattice_run(sources, run, tmp_path / str(jobs))
+    assert (tmp_path / "1" / "best.txt").read_text() == (tmp_path / "2" / "best.txt").read_text()
+    # the same batches; a worker may use other threads than this process, so scores agree to float rounding
+    assert _same_scores(_jsonl(tmp_path / "1" / "nbest.jsonl"), _jsonl(tmp_path / "2" / "nbest.jsonl"))
 
 
 def test_history_keeps_the_last_k_transcripts_of_a_document():
