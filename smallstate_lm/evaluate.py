@@ -90,16 +90,9 @@ def read_docs(path: str | os.PathLike, n: int) -> list[str]:
     """The document of each of a text's `n` lines, from an utt2doc file (`utterance document` per line, in the
     text's order)."""
     from .errors import DataError
+    from .files import read_utt2doc
 
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 2:
-                raise DataError(f"{path}:{i}: expected 'utterance document', got {line.strip()!r}")
-            docs.append(parts[1])
+    docs = [doc for _, doc in read_utt2doc(path, DataError)]
     if len(docs) != n:
         raise DataError(f"{path}: {len(docs)} utterances for a text of {n} sentences; expected one per line")
     return docs

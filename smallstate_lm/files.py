@@ -126,6 +126,24 @@ def read_text(path: str | os.PathLike, error: type[Exception], what: str = "file
         raise error(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
+def read_utt2doc(path: str | os.PathLike, error: type[Exception]) -> list[tuple[str, str]]:
+    """An utt2doc file (`utterance document` per line, as Kaldi's utt2spk; blank lines skipped) as its pairs in
+    file order; a malformed line or an utterance listed twice raises `error` naming the file and line."""
+    pairs: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for n, line in enumerate(read_lines(path, error, "utt2doc file"), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise error(f"{path}:{n}: expected 'utterance document', got {line.strip()!r}")
+        if parts[0] in seen:
+            raise error(f"{path}:{n}: utterance {parts[0]!r} is listed twice")
+        seen.add(parts[0])
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
 def read_sentences(path: str | os.PathLike, lowercase: bool = False) -> list[list[str]]:
     """One sentence per line, words split on whitespace; blank lines are skipped.
 

@@ -103,20 +103,15 @@ def tune(
         plan = dataclasses.replace(plan, decodes=parse_decodes(decode or "viterbi"))
         run = LatticeRun(words, lm, ngram, expand=ExpandConfig(max_ngram_order=None if exact else max_ngram_order),
                          device=device, progress=not quiet, precision=precision)
-        r, n = tune_lattice_files(lattices, run, refs, plan)
+        r, n, choice = tune_lattice_files(lattices, run, refs, plan,
+                                          (context, candidates) if context is not None else None)
         typer.echo(surface_text(r))
         for line in r.decode_choice.lines(r.ref_words) if r.decode_choice is not None else []:
             typer.echo(line)
         typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
                    f"with {r.weights.decode} decoding, posterior scale {r.weights.posterior_scale:g} "
                    f"({n} lattices, {r.ref_words} reference words)")
-        extra = {}
-        if context is not None:
-            from ..rescoring.runs.tune_run import choose_context_utts
-
-            extra = _context_report(choose_context_utts(lattices, refs, r.weights, context, candidates,
-                                                        lattices=run))
-        _save(r, n, out, extra)
+        _save(r, n, out, _context_report(choice))
         return
     if decode is not None:
         raise ConfigError("--decode chooses how lattices are decoded; n-best lists choose by minimum Bayes risk "
@@ -128,11 +123,8 @@ def tune(
     opts = ImportOptions(nbest_format, manifest, beam_size, words, lm_costs, ac_costs, merge_duplicates)
     scoring = NBestScoring(lm, ngram, device, batch_tokens, progress=not quiet, precision=precision,
                            choose_paths=path_choice)
-    if context is not None:  # before the LMs load: a list missing from utt2doc fails at once
-        from ..rescoring.nbest.formats import read_nbest_inputs
-
-        context.check([u.utt for u in read_nbest_inputs(nbest, opts)[0]], "n-best lists")
-    r, n = tune_nbest_files(nbest, opts, scoring, refs, plan, note)
+    r, n, choice = tune_nbest_files(nbest, opts, scoring, refs, plan, note,
+                                    (context, candidates) if context is not None else None)
     typer.echo(surface_text(r))
     if r.mbr_errors is not None:
         typer.echo("WER% vs mbr_scale (other weights before the MBR pass): " + "  ".join(
@@ -140,13 +132,7 @@ def tune(
     typer.echo(f"first-pass WER {100 * r.baseline_errors / r.ref_words:.2f}%  oracle WER "
                f"{100 * r.oracle_errors / r.ref_words:.2f}%  tuned WER {100 * r.wer:.2f}% "
                f"({n} utterances, {r.ref_words} reference words)")
-    extra = {}
-    if context is not None:
-        from ..rescoring.runs.tune_run import choose_context_utts
-
-        extra = _context_report(choose_context_utts(nbest, refs, r.weights, context, candidates,
-                                                    nbest=(opts, scoring)))
-    _save(r, n, out, extra)
+    _save(r, n, out, _context_report(choice))
     if plot is not None:
         typer.echo(f"plot -> {plot}" if plot_surface(r, str(plot)) else "no plot: matplotlib is not installed")
 
@@ -162,9 +148,11 @@ def _context_candidates(text: str) -> list[int]:
 
 
 def _context_report(choice) -> dict:
-    """Print the context search and give what the weights file keeps of it."""
+    """Print the context search and give what the weights file keeps of it (nothing without one)."""
     from ..rescoring.runs.context_run import CONTEXT_KEY
 
+    if choice is None:
+        return {}
     typer.echo(choice.line())
     k = choice.chosen
     typer.echo(f"context: {k} previous utterance{'s' if k != 1 else ''} (dev WER "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ConfigError
+from ...files import read_utt2doc
 from ...scoring.context import History
 from ...weights import Weights
 from ..formats.lattice_io import LatticeInput, lattice_inputs
@@ -43,23 +44,7 @@ class ContextPlan:
     @classmethod
     def read(cls, path: str | Path, utts: int = 1, ngram: bool = False) -> ContextPlan:
         """An utt2doc file: `utterance document` per line, in spoken order; blank lines are skipped."""
-        path = Path(path)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: utt2doc file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read the utt2doc file ({e})") from None
-        order: dict[str, tuple[str, int]] = {}
-        for n, line in enumerate(lines, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 2:
-                raise ConfigError(f"{path}:{n}: expected 'utterance document', got {line.strip()!r}")
-            if parts[0] in order:
-                raise ConfigError(f"{path}:{n}: utterance {parts[0]!r} is listed twice")
-            order[parts[0]] = (parts[1], len(order))
+        order = {utt: (doc, k) for k, (utt, doc) in enumerate(read_utt2doc(path, ConfigError))}
         if not order:
             raise ConfigError(f"{path}: no utterances; expected 'utterance document' per line")
         return cls(order, utts, ngram, str(path))

@@ -16,7 +16,7 @@ from ..nbest.formats import ImportOptions, read_nbest_inputs
 from ..nbest.lists import read_text
 from .context_run import ContextPlan
 from .lattice_run import LatticeRun, build_lattice_rescorer, lattice_symbols
-from .nbest_run import NBestScoring, load_scorers, score_nbest
+from .nbest_run import NBestScoring, load_scorers
 from .tune import DEFAULT_GRID, LAM_GRID, TuneResult, tune, tune_lattices
 
 # a searched weight DEFAULT_GRID has no grid for (am_scale, graph_scale, oov_penalty) gets the LM weights' range
@@ -50,21 +50,37 @@ def tune_search(search: Sequence[str], base: Weights, neural: bool, ngram: bool,
 
 
 def tune_nbest_files(inputs: Sequence[Path], opts: ImportOptions, scoring: NBestScoring, refs: Path,
-                     search: TuneSearch, on_note: Callable[[str], None] | None = None) -> tuple[TuneResult, int]:
-    """(the tuned result, the number of dev utterances): every hypothesis of the dev n-best lists scored once
-    with the LMs of `scoring`, then the search against the references in `refs`."""
+                     search: TuneSearch, on_note: Callable[[str], None] | None = None,
+                     context: tuple[ContextPlan, Sequence[int]] | None = None,
+                     ) -> tuple[TuneResult, int, ContextChoice | None]:
+    """(the tuned result, the number of dev utterances, the context search or None): every hypothesis of the dev
+    n-best lists scored once with the LMs of `scoring`, then the search against the references in `refs`. With
+    `context` (the documents, the Ks to try), the lists are then ranked in spoken order once per K with the
+    tuned weights (`choose_context_utts`)."""
+    from ..nbest.components import compute_components
+
     utts, _ = read_nbest_inputs(inputs, opts, on_note)
-    ref = read_text(refs)  # before the LMs load: a wrong path fails at once
-    comps, _ = score_nbest(utts, scoring)
-    return tune(utts, comps, ref, search.base, search.grid, mbr=search.mbr), len(utts)
+    ref = read_text(refs)  # before the LMs load: a wrong path or a list missing from utt2doc fails at once
+    if context is not None:
+        context[0].check([u.utt for u in utts], "n-best lists")
+    neural, ngram = load_scorers(scoring)
+    comps, _ = compute_components(utts, neural, ngram, progress=scoring.progress)
+    r = tune(utts, comps, ref, search.base, search.grid, mbr=search.mbr)
+    choice = None
+    if context is not None:
+        choice = choose_context_utts(ref, context[1], lambda k: _nbest_best(utts, neural, ngram, r.weights,
+                                                                            context[0].with_utts(k), scoring))
+    return r, len(utts), choice
 
 
-def tune_lattice_files(sources: Sequence[ResolvedInput], run: LatticeRun, refs: Path,
-                       search: TuneSearch) -> tuple[TuneResult, int]:
-    """(the tuned result, the number of dev lattices): each lattice expanded once with the LMs under the
-    search's starting weights (`run` gives the inputs' words, the LMs, the expansion and the device), then the
-    search by Viterbi on the stored expanded graphs. A dev set is read whole: a lattice that cannot be read
-    stops the run. The decode and posterior scale are then chosen among `search.decodes`."""
+def tune_lattice_files(sources: Sequence[ResolvedInput], run: LatticeRun, refs: Path, search: TuneSearch,
+                       context: tuple[ContextPlan, Sequence[int]] | None = None,
+                       ) -> tuple[TuneResult, int, ContextChoice | None]:
+    """(the tuned result, the number of dev lattices, the context search or None): each lattice expanded once
+    with the LMs under the search's starting weights (`run` gives the inputs' words, the LMs, the expansion and
+    the device), then the search by Viterbi on the stored expanded graphs. A dev set is read whole: a lattice
+    that cannot be read stops the run. The decode and posterior scale are then chosen among `search.decodes`.
+    With `context`, the lattices are then rescored in spoken order once per K with the tuned weights."""
     from tqdm import tqdm
 
     from ..formats.lattice_io import lattice_inputs
@@ -72,9 +88,18 @@ def tune_lattice_files(sources: Sequence[ResolvedInput], run: LatticeRun, refs: 
     symbols = lattice_symbols(run.words, sources)
     rescorer = build_lattice_rescorer(run.lm, run.ngram, search.base, run.expand, run.device, run.precision)
     lats = [item.load() for item in lattice_inputs(sources, symbols)]
+    if context is not None:  # before the expansion: a lattice missing from utt2doc fails at once
+        context[0].check([lat.name for lat in lats], "lattices")
     expanded = [e for _, e in tqdm(rescorer.expand_many(lats), total=len(lats), disable=not run.progress,
                                    desc="expand")]
-    return tune_lattices(expanded, read_text(refs), search.base, search.grid, decodes=search.decodes), len(lats)
+    ref = read_text(refs)
+    r = tune_lattices(expanded, ref, search.base, search.grid, decodes=search.decodes)
+    choice = None
+    if context is not None:
+        tuned = rescorer.with_weights(r.weights)
+        choice = choose_context_utts(ref, context[1], lambda k: _lattices_best(sources, symbols, tuned,
+                                                                               context[0].with_utts(k)))
+    return r, len(lats), choice
 
 
 @dataclass(frozen=True)
@@ -95,38 +120,33 @@ class ContextChoice:
             f"{k}:{100 * e / self.ref_words:.2f}" for k, e in sorted(self.errors.items()))
 
 
-def choose_context_utts(inputs, refs: Path, weights: Weights, plan: ContextPlan, candidates: Sequence[int],
-                        nbest: tuple[ImportOptions, NBestScoring] | None = None,
-                        lattices: LatticeRun | None = None) -> ContextChoice:
-    """Rescore the dev set in spoken order once per K of `candidates` (and 0) under `weights` (tuned without
-    context: re-tuning them for every K would re-decode the dev set per weight candidate), n-best lists
-    (`nbest`: their import options and scorers) or lattices (`lattices`: the run's LMs and expansion)."""
+def choose_context_utts(ref: dict[str, list[str]], candidates: Sequence[int],
+                        best_with: Callable[[int], dict[str, list[str]]]) -> ContextChoice:
+    """The dev set rescored in spoken order once per K of `candidates` (and 0): `best_with(K)` gives each
+    utterance's chosen words, under the weights tuned without context (re-tuning them for every K would
+    re-decode the dev set per weight candidate)."""
     from ..decode.wer import align_counts
-    from .context_run import lattices_in_context, nbest_in_context
 
-    ref = read_text(refs)
     errors: dict[int, int] = {}
-    ks = sorted({0, *candidates})
-    if nbest is not None:
-        opts, scoring = nbest
-        utts, _ = read_nbest_inputs(inputs, opts)
-        plan.check([u.utt for u in utts], "n-best lists")
-        neural, ngram = load_scorers(scoring)
-        for k in ks:
-            ranked, _, _ = nbest_in_context(utts, neural, ngram, weights, plan.with_utts(k), scoring.progress)
-            errors[k] = sum(align_counts(ref[u.utt], u.hyps[0].words).errors for u in ranked if u.utt in ref)
-        ref_words = sum(len(ref[u.utt]) for u in utts if u.utt in ref)
-    else:
-        symbols = lattice_symbols(lattices.words, inputs)
-        rescorer = build_lattice_rescorer(lattices.lm, lattices.ngram, weights, lattices.expand, lattices.device,
-                                          lattices.precision)
-        for k in ks:
-            best = {}
-            for _, r in lattices_in_context(inputs, symbols, rescorer, plan.with_utts(k), nbest=0,
-                                            write_lattices=False):
-                if r.error is not None:
-                    raise SmallstateError(r.error)
-                best[r.name] = r.best
-            errors[k] = sum(align_counts(ref[u], words).errors for u, words in best.items() if u in ref)
-        ref_words = sum(len(ref[u]) for u in best if u in ref)
-    return ContextChoice(errors, ref_words)
+    for k in sorted({0, *candidates}):
+        best = best_with(k)
+        errors[k] = sum(align_counts(ref[u], words).errors for u, words in best.items() if u in ref)
+    return ContextChoice(errors, sum(len(ref[u]) for u in best if u in ref))
+
+
+def _nbest_best(utts, neural, ngram, weights: Weights, plan: ContextPlan, scoring: NBestScoring) -> dict:
+    from .context_run import nbest_in_context
+
+    ranked, _, _ = nbest_in_context(utts, neural, ngram, weights, plan, scoring.progress)
+    return {u.utt: u.hyps[0].words for u in ranked}
+
+
+def _lattices_best(sources, symbols, rescorer, plan: ContextPlan) -> dict:
+    from .context_run import lattices_in_context
+
+    best = {}
+    for _, r in lattices_in_context(sources, symbols, rescorer, plan, nbest=0, write_lattices=False):
+        if r.error is not None:
+            raise SmallstateError(r.error)
+        best[r.name] = r.best
+    return best
